@@ -1,0 +1,8 @@
+"""FeatCal (Feature Calibration for Post-Merging Models) as a FusionBench method."""
+
+from .algorithm import FeatCalAlgorithm
+from .hparams import FeatCalHParams
+
+__version__ = "0.1.0"
+
+__all__ = ["FeatCalAlgorithm", "FeatCalHParams", "__version__"]

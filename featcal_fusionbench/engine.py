@@ -1,0 +1,449 @@
+"""The forward-order calibration loop (paper Algorithm 1).
+
+For each block, in forward order:
+  1. snapshot: the still-uncalibrated block runs on the calibrated prefix's hidden
+     states, and expert i's own block on expert i's hidden states for task i's
+     samples; forward pre-hooks capture every calibrated module's input and the
+     moments stream into per-task sums (one set per shared input, e.g. q/k/v);
+  2. solve: each task's moments are folded into omega-weighted sums as soon as
+     the task is done (memory does not grow with the number of tasks), then
+     weights (Eq. 17), biases (Eq. 55) and norm affines (Eq. 59) are solved;
+  3. load all of the block's new parameters together, and only then advance the
+     calibrated hidden states through the calibrated block.
+Experts and the base model stay where they are (host memory); only the block in
+use visits the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .architectures import LAYERNORM, LINEAR, RMSNORM, ArchitectureAdapter
+from .capture import capture_inputs, group_shared_inputs
+from .drift import stream_drift
+from .hparams import FeatCalHParams
+from .moments import (
+    LinearInputMoments,
+    NormInputMoments,
+    Reduce,
+    check_finite,
+    layer_norm_without_affine,
+    rms_norm_without_scale,
+)
+from .solver import (
+    anchor,
+    solve_bias,
+    solve_layernorm_affine,
+    solve_linear_weight,
+    solve_norm_scale,
+    task_weight,
+)
+
+log = logging.getLogger(__name__)
+
+LogFn = Callable[[Dict[str, float], int], None]
+
+
+@contextmanager
+def on_device(modules: Iterable[nn.Module], device: torch.device):
+    """Move modules to ``device`` for the duration of the block, then put them back."""
+    modules = list(modules)
+    origins = []
+    for module in modules:
+        first = next(itertools.chain(module.parameters(), module.buffers()), None)
+        origins.append(None if first is None else first.device)
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module, origin in zip(modules, origins):
+            if origin is not None:
+                module.to(origin)
+
+
+@dataclass
+class BlockPlan:
+    """Which modules of one block are calibrated: relative name -> (full name, kind)."""
+
+    index: int
+    modules: Dict[str, tuple]
+
+    def names(self, *kinds: str) -> List[str]:
+        return [rel for rel, (_, kind) in self.modules.items() if kind in kinds]
+
+
+def plan_blocks(adapter: ArchitectureAdapter, model: nn.Module, hparams: FeatCalHParams) -> List[BlockPlan]:
+    """Select the modules to calibrate in every block; raise if none is selected."""
+    full_names = {id(m): n for n, m in model.named_modules()}
+    pattern = re.compile(hparams.module_regex) if hparams.module_regex is not None else None
+    plans = []
+    for index, block in enumerate(adapter.blocks(model)):
+        selected = {}
+        for rel, (module, kind) in adapter.calibrated_modules(block).items():
+            if kind in (LAYERNORM, RMSNORM) and (not hparams.calibrate_layernorm or module.weight is None):
+                continue
+            full = full_names[id(module)]
+            if pattern is not None and not pattern.search(full):
+                continue
+            selected[rel] = (full, kind)
+        plans.append(BlockPlan(index, selected))
+    if not any(plan.modules for plan in plans):
+        raise ValueError(
+            f"no module selected for calibration (module_regex={hparams.module_regex!r}, "
+            f"calibrate_layernorm={hparams.calibrate_layernorm}); example module names: "
+            + ", ".join(list(full_names.values())[1:6])
+        )
+    return plans
+
+
+@dataclass
+class Stream:
+    """One model's hidden states over one task's calibration batches."""
+
+    hidden: List[Tensor] = field(default_factory=list)
+    meta: List[Any] = field(default_factory=list)
+
+
+@dataclass
+class _LinearGroup:
+    names: List[str]
+    profile: Hashable
+
+
+class _BlockSums:
+    """omega-weighted sums over tasks for one block (the right-hand sides of Eq. 16, 54, 58)."""
+
+    def __init__(self):
+        self.gram: Dict[int, Tensor] = {}
+        self.omega: Dict[int, float] = Counter()
+        self.mean_cal: Dict[int, Tensor] = {}
+        self.target: Dict[str, Tensor] = {}
+        self.bias_target: Dict[str, Tensor] = {}
+        self.norm: Dict[str, Dict[str, Tensor]] = {}
+        self.num_tasks = 0
+
+    @staticmethod
+    def _add(store, key, value):
+        store[key] = value if key not in store else store[key] + value
+
+    def add_linear(self, gi, group, stats, expert_modules, hparams, with_bias):
+        omega = task_weight(stats.gram, hparams.eps)
+        self._add(self.gram, gi, omega * stats.gram)
+        self.omega[gi] += omega
+        self._add(self.mean_cal, gi, omega * stats.mean_cal)
+        target_cross = stats.target_cross(hparams.alpha)
+        target_mean = stats.target_mean(hparams.alpha)
+        dtype = stats.gram.dtype
+        for name in group.names:
+            expert = expert_modules[name]
+            weight = expert.weight.to(dtype)
+            self._add(self.target, name, omega * (weight @ target_cross))
+            if with_bias and expert.bias is not None:
+                self._add(self.bias_target, name, omega * (expert.bias.to(dtype) + weight @ target_mean))
+
+    def add_norm(self, name, stats, expert_module):
+        dtype = stats.mean.dtype
+        gamma = expert_module.weight.to(dtype)
+        beta = expert_module.bias.to(dtype) if getattr(expert_module, "bias", None) is not None else None
+        entry = {
+            "q": stats.second_moment,
+            "z": stats.mean,
+            "r_gamma": stats.second_moment * gamma + (stats.mean * beta if beta is not None else 0.0),
+        }
+        if beta is not None:
+            entry["r_beta"] = stats.mean * gamma + beta
+        for key, value in entry.items():
+            self._add(self.norm.setdefault(name, {}), key, value)
+
+
+def _normalizer(module: nn.Module, kind: str):
+    if kind == LAYERNORM:
+        return layer_norm_without_affine(module.normalized_shape, module.eps)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    return rms_norm_without_scale(eps)
+
+
+def _norm_dim(module: nn.Module) -> int:
+    return module.weight.shape[0]
+
+
+class FeatCalEngine:
+    """Runs Algorithm 1 on one calibrated model; see the module docstring."""
+
+    def __init__(
+        self,
+        adapter: ArchitectureAdapter,
+        hparams: FeatCalHParams,
+        device: torch.device,
+        *,
+        reduce: Optional[Reduce] = None,
+        track_upstream: bool = True,
+        log_fn: Optional[LogFn] = None,
+        progress: bool = True,
+    ):
+        self.adapter = adapter
+        self.hparams = hparams
+        self.device = torch.device(device)
+        self.reduce = reduce
+        self.track_upstream = track_upstream
+        self.log_fn = log_fn
+        self.progress = progress
+
+    # ---- streams ------------------------------------------------------------------------------
+
+    def _embed(self, model, expert, batches) -> tuple:
+        adapter = self.adapter
+        cal, exp = Stream(), Stream()
+        with on_device(adapter.stem_modules(expert), self.device):
+            for inputs in batches:
+                inputs = adapter.inputs_to(inputs, self.device)
+                for stream, source in ((cal, model), (exp, expert)):
+                    hidden, meta = adapter.embed(source, inputs)
+                    stream.hidden.append(hidden)
+                    stream.meta.append(meta)
+        if not cal.hidden:
+            raise ValueError("a task produced no calibration batches")
+        return cal, exp
+
+    def _enter_block(self, model, index, stream: Stream) -> None:
+        with on_device(self.adapter.stem_modules(model), self.device):
+            for b, (hidden, meta) in enumerate(zip(stream.hidden, stream.meta)):
+                stream.hidden[b], stream.meta[b] = self.adapter.enter_block(model, index, hidden, meta)
+
+    # ---- one block ----------------------------------------------------------------------------
+
+    def _snapshot_task(self, plan, block, expert_block, streams, num_blocks, groups):
+        """Stream task i's batches through the uncalibrated and the expert block; return moments."""
+        adapter, hp = self.adapter, self.hparams
+        dtype = hp.torch_accumulation_dtype
+        linear = plan.names(LINEAR)
+        norms = plan.names(LAYERNORM, RMSNORM)
+        cal_modules = dict(block.named_modules())
+        exp_modules = dict(expert_block.named_modules())
+        watched = linear + norms
+        linear_moments: Dict[int, LinearInputMoments] = {}
+        norm_moments: Dict[str, NormInputMoments] = {}
+        cal, exp, upstream = streams
+        for b in range(len(cal.hidden)):
+            with capture_inputs({n: cal_modules[n] for n in watched}) as cap_cal:
+                adapter.run_block(block, cal.hidden[b], cal.meta[b])
+            with capture_inputs({n: exp_modules[n] for n in linear}) as cap_exp:
+                exp.hidden[b] = adapter.run_block(expert_block, exp.hidden[b], exp.meta[b])
+            if upstream is not None:
+                # The block still holds its merged weights: this advances the upstream trajectory.
+                upstream.hidden[b] = adapter.run_block(block, upstream.hidden[b], upstream.meta[b])
+            if groups is None:
+                groups = []
+                for shared in group_shared_inputs(cap_cal, linear):
+                    by_profile: Dict[Hashable, List[str]] = {}
+                    for name in shared:
+                        by_profile.setdefault(adapter.weight_profile(plan.index, num_blocks, name), []).append(name)
+                    groups.extend(_LinearGroup(names, profile) for profile, names in by_profile.items())
+            weights_cache: Dict[Hashable, Optional[Tensor]] = {}
+
+            def weights(profile):
+                if profile not in weights_cache:
+                    weights_cache[profile] = adapter.token_weights(profile, cal.hidden[b], cal.meta[b])
+                return weights_cache[profile]
+
+            for gi, group in enumerate(groups):
+                first = group.names[0]
+                x_cal = cap_cal[first]
+                if gi not in linear_moments:
+                    linear_moments[gi] = LinearInputMoments(x_cal.shape[-1], dtype, self.device)
+                linear_moments[gi].update(x_cal, cap_exp[first], weights(group.profile))
+            for name in norms:
+                module = cal_modules[name]
+                if name not in norm_moments:
+                    kind = plan.modules[name][1]
+                    norm_moments[name] = NormInputMoments(
+                        _norm_dim(module), _normalizer(module, kind), dtype, self.device
+                    )
+                profile = adapter.weight_profile(plan.index, num_blocks, name)
+                norm_moments[name].update(cap_cal[name], weights(profile))
+        return groups, linear_moments, norm_moments
+
+    def _solve_block(self, plan, block, base_block, sums: _BlockSums, groups) -> Dict[str, Any]:
+        hp = self.hparams
+        cal_modules = dict(block.named_modules())
+        base_modules = dict(base_block.named_modules())
+        updates: List[tuple] = []
+        methods: Counter = Counter()
+
+        def base_param(name, attr):
+            return getattr(base_modules[name], attr).to(self.device)
+
+        for gi, group in enumerate(groups or []):
+            for name in group.names:
+                full = plan.modules[name][0]
+                module = cal_modules[name]
+                w_anchor = anchor(module.weight, base_param(name, "weight"), hp.rho)
+                result = solve_linear_weight(sums.gram[gi], sums.target[name], w_anchor, hp.lambda_, hp.eps)
+                check_finite(result.solution, f"the solved weight of {full}")
+                methods[result.method] += 1
+                updates.append((module.weight, result.solution))
+                if hp.calibrate_bias and module.bias is not None and name in sums.bias_target:
+                    bias = solve_bias(
+                        sums.omega[gi],
+                        sums.bias_target[name],
+                        sums.mean_cal[gi],
+                        result.solution,
+                        anchor(module.bias, base_param(name, "bias"), hp.rho),
+                        hp.lambda_,
+                    )
+                    check_finite(bias, f"the solved bias of {full}")
+                    updates.append((module.bias, bias))
+        for name, entry in sums.norm.items():
+            full, kind = plan.modules[name]
+            module = cal_modules[name]
+            gamma_anchor = anchor(module.weight, base_param(name, "weight"), hp.rho)
+            if "r_beta" in entry:
+                gamma, beta = solve_layernorm_affine(
+                    entry["q"], entry["z"], entry["r_gamma"], entry["r_beta"], sums.num_tasks,
+                    gamma_anchor, anchor(module.bias, base_param(name, "bias"), hp.rho), hp.lambda_, hp.eps,
+                )
+                check_finite(beta, f"the solved shift of {full}")
+                updates.append((module.bias, beta))
+            else:
+                gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
+            check_finite(gamma, f"the solved scale of {full}")
+            updates.append((module.weight, gamma))
+        # Load everything together: no module of this block saw a partially updated block.
+        with torch.no_grad():
+            for param, value in updates:
+                param.copy_(value.to(dtype=param.dtype, device=param.device))
+        return dict(methods)
+
+    # ---- the whole model ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(
+        self,
+        model: nn.Module,
+        base: nn.Module,
+        experts: Mapping[str, nn.Module],
+        task_batches: Mapping[str, Iterable[Any]],
+    ) -> Dict[str, Any]:
+        """Calibrate ``model`` in place (it is moved to the device) and return a report."""
+        adapter, hp = self.adapter, self.hparams
+        tasks = list(experts)
+        missing = [t for t in tasks if t not in task_batches]
+        if missing:
+            raise ValueError(f"no calibration batches for task(s) {missing}")
+        plans = plan_blocks(adapter, model, hp)
+        for module in (model, base, *experts.values()):
+            module.eval()
+        model.to(self.device)
+        blocks = adapter.blocks(model)
+        base_blocks = adapter.blocks(base)
+        expert_blocks = {t: adapter.blocks(experts[t]) for t in tasks}
+        num_blocks = len(blocks)
+
+        started = time.perf_counter()
+        streams: Dict[str, tuple] = {}
+        for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
+            cal, exp = self._embed(model, experts[task], task_batches[task])
+            upstream = Stream(list(cal.hidden), list(cal.meta)) if self.track_upstream else None
+            streams[task] = (cal, exp, upstream)
+
+        report_blocks = []
+        bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
+        for index in bar:
+            block_started = time.perf_counter()
+            plan = plans[index]
+            block = blocks[index]
+            for task in tasks:
+                cal, exp, upstream = streams[task]
+                self._enter_block(model, index, cal)
+                self._enter_block(experts[task], index, exp)
+                if upstream is not None:
+                    self._enter_block(model, index, upstream)
+
+            sums, groups = _BlockSums(), None
+            if plan.modules:
+                for task in tasks:
+                    expert_block = expert_blocks[task][index]
+                    with on_device([expert_block], self.device):
+                        groups, lin, norms = self._snapshot_task(
+                            plan, block, expert_block, streams[task], num_blocks, groups
+                        )
+                        exp_modules = dict(expert_block.named_modules())
+                        for gi, moments in lin.items():
+                            stats = moments.finalize(self.reduce)
+                            what = f"the input moments of {', '.join(plan.modules[n][0] for n in groups[gi].names)} (task {task})"
+                            for tensor in (stats.gram, stats.cross, stats.mean_cal, stats.mean_exp):
+                                check_finite(tensor, what)
+                            sums.add_linear(gi, groups[gi], stats, exp_modules, hp, hp.calibrate_bias)
+                        for name, moments in norms.items():
+                            stats = moments.finalize(self.reduce)
+                            check_finite(stats.second_moment, f"the normalised-input moments of {plan.modules[name][0]} (task {task})")
+                            sums.add_norm(name, stats, exp_modules[name])
+                    sums.num_tasks += 1
+                with on_device([base_blocks[index]], self.device):
+                    methods = self._solve_block(plan, block, base_blocks[index], sums, groups)
+            else:
+                # Nothing to fit here, but the expert and upstream trajectories still advance.
+                methods = {}
+                for task in tasks:
+                    _, exp, upstream = streams[task]
+                    with on_device([expert_blocks[task][index]], self.device):
+                        for b in range(len(exp.hidden)):
+                            exp.hidden[b] = adapter.run_block(expert_blocks[task][index], exp.hidden[b], exp.meta[b])
+                    if upstream is not None:
+                        for b in range(len(upstream.hidden)):
+                            upstream.hidden[b] = adapter.run_block(block, upstream.hidden[b], upstream.meta[b])
+            del sums
+
+            drift = {}
+            for task in tasks:
+                cal, exp, upstream = streams[task]
+                for b in range(len(cal.hidden)):
+                    cal.hidden[b] = adapter.run_block(block, cal.hidden[b], cal.meta[b])
+                masks = [adapter.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
+                drift[task] = {"after": stream_drift(cal.hidden, exp.hidden, masks)}
+                if upstream is not None:
+                    drift[task]["before"] = stream_drift(upstream.hidden, exp.hidden, masks)
+            entry = {
+                "block": index,
+                "modules": [full for full, _ in plan.modules.values()],
+                "solver": methods,
+                "seconds": time.perf_counter() - block_started,
+                "drift": drift,
+            }
+            report_blocks.append(entry)
+            self._log_block(entry)
+            mean_after = sum(d["after"]["cosine"] for d in drift.values()) / len(drift)
+            bar.set_postfix(cos_after=f"{mean_after:.4f}")
+
+        return {
+            "architecture": adapter.name,
+            "tasks": tasks,
+            "num_blocks": num_blocks,
+            "seconds": time.perf_counter() - started,
+            "blocks": report_blocks,
+        }
+
+    def _log_block(self, entry: Dict[str, Any]) -> None:
+        index = entry["block"]
+        summary = []
+        metrics: Dict[str, float] = {"featcal/block_seconds": entry["seconds"]}
+        for task, drift in entry["drift"].items():
+            for when, values in drift.items():
+                for metric, value in values.items():
+                    metrics[f"featcal/drift_{when}_{metric}/{task}"] = value
+            before = drift.get("before", {}).get("l2", float("nan"))
+            summary.append(f"{task}: l2 {before:.4g} -> {drift['after']['l2']:.4g}")
+        log.info("FeatCal block %d (%.2fs): %s", index, entry["seconds"], "; ".join(summary))
+        if self.log_fn is not None:
+            self.log_fn(metrics, index)

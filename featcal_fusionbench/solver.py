@@ -1,0 +1,146 @@
+"""Closed-form FeatCal updates (paper Sec. 4.4 and App. G) on plain tensors.
+
+Nothing here knows about modules, hooks or devices: every function takes the
+statistics the engine accumulated and returns new parameter tensors, so each
+formula can be tested against an independent minimiser of its objective.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SOLVE_DTYPE = torch.float64
+
+
+class SolveResult(NamedTuple):
+    solution: Tensor
+    method: str  # "cholesky" or the fallback that was needed
+
+
+def task_weight(gram: Tensor, eps: float) -> float:
+    """omega_i = 1 / max(||G_i||_F, eps) (Eq. 14)."""
+    return 1.0 / max(float(torch.linalg.matrix_norm(gram.to(SOLVE_DTYPE))), eps)
+
+
+def anchor(merged: Tensor, base: Tensor, rho: float) -> Tensor:
+    """rho * merged + (1 - rho) * base (Eq. 11, 51); rho may lie outside [0, 1]."""
+    return rho * merged.to(SOLVE_DTYPE) + (1.0 - rho) * base.to(SOLVE_DTYPE)
+
+
+def solve_spd(matrix: Tensor, rhs: Tensor) -> SolveResult:
+    """Solve ``matrix @ X = rhs`` for a symmetric positive (semi)definite matrix.
+
+    Cholesky first; an LU solve when the factorisation breaks down numerically;
+    a least-squares solve when even that is singular, so a degenerate module
+    still gets the minimum-norm solution instead of an exception mid-run.
+    """
+    matrix = matrix.to(SOLVE_DTYPE)
+    rhs = rhs.to(SOLVE_DTYPE)
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) == 0:
+        return SolveResult(torch.cholesky_solve(rhs, factor), "cholesky")
+    solution, info = torch.linalg.solve_ex(matrix, rhs)
+    if int(info) == 0 and bool(torch.isfinite(solution).all()):
+        return SolveResult(solution, "lu")
+    # gelsd (SVD based) exists on CPU only; the matrices are small enough to move.
+    lstsq = torch.linalg.lstsq(matrix.cpu(), rhs.cpu(), driver="gelsd")
+    return SolveResult(lstsq.solution.to(matrix.device), "lstsq")
+
+
+def solve_linear_weight(
+    weighted_gram: Tensor,
+    weighted_target: Tensor,
+    anchor_weight: Tensor,
+    lambda_: float,
+    eps: float,
+) -> SolveResult:
+    """W* of Eq. 17 with the implementation's epsilon stabiliser.
+
+    Args:
+        weighted_gram: sum_i omega_i G_i, shape (d, d).
+        weighted_target: sum_i omega_i W_i C_i, shape (m, d).
+        anchor_weight: W_anc, shape (m, d).
+
+    Returns W* of shape (m, d) solving W (sum omega G + (lambda + eps) I) = sum omega W_i C_i + lambda W_anc.
+    """
+    dim = weighted_gram.shape[0]
+    system = weighted_gram.to(SOLVE_DTYPE) + (lambda_ + eps) * torch.eye(
+        dim, dtype=SOLVE_DTYPE, device=weighted_gram.device
+    )
+    # Symmetrise: accumulated Gram matrices are symmetric only up to rounding.
+    system = 0.5 * (system + system.T)
+    rhs = weighted_target.to(SOLVE_DTYPE) + lambda_ * anchor_weight.to(SOLVE_DTYPE)
+    result = solve_spd(system, rhs.T)
+    return SolveResult(result.solution.T.contiguous(), result.method)
+
+
+def solve_bias(
+    weight_sum: float,
+    weighted_bias_target: Tensor,
+    weighted_input_mean: Tensor,
+    weight: Tensor,
+    anchor_bias: Tensor,
+    lambda_: float,
+) -> Tensor:
+    """b* of Eq. 55, the second-stage bias with W* fixed.
+
+    Args:
+        weight_sum: sum_i omega_i.
+        weighted_bias_target: sum_i omega_i (b_i + W_i mu_i^tgt), shape (m,).
+        weighted_input_mean: sum_i omega_i mu_i^cal, shape (d,).
+        weight: the solved W*, shape (m, d).
+        anchor_bias: b_anc, shape (m,).
+    """
+    numerator = (
+        weighted_bias_target.to(SOLVE_DTYPE)
+        - weight.to(SOLVE_DTYPE) @ weighted_input_mean.to(SOLVE_DTYPE)
+        + lambda_ * anchor_bias.to(SOLVE_DTYPE)
+    )
+    return numerator / (weight_sum + lambda_)
+
+
+def solve_layernorm_affine(
+    sum_second_moment: Tensor,
+    sum_mean: Tensor,
+    rhs_gamma_data: Tensor,
+    rhs_beta_data: Tensor,
+    num_tasks: int,
+    anchor_gamma: Tensor,
+    anchor_beta: Tensor,
+    lambda_: float,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(gamma*, beta*) of Eq. 58-59, coordinate-wise 2x2 normal equations.
+
+    Args:
+        sum_second_moment: sum_i q_i.
+        sum_mean: sum_i zbar_i.
+        rhs_gamma_data: sum_i (q_i * gamma_i + zbar_i * beta_i).
+        rhs_beta_data: sum_i (zbar_i * gamma_i + beta_i).
+        num_tasks: N (equal task weights, as the paper specifies for LayerNorm).
+    """
+    a11 = sum_second_moment.to(SOLVE_DTYPE) + lambda_
+    a12 = sum_mean.to(SOLVE_DTYPE)
+    a22 = float(num_tasks) + lambda_
+    r_gamma = rhs_gamma_data.to(SOLVE_DTYPE) + lambda_ * anchor_gamma.to(SOLVE_DTYPE)
+    r_beta = rhs_beta_data.to(SOLVE_DTYPE) + lambda_ * anchor_beta.to(SOLVE_DTYPE)
+    determinant = (a22 * a11 - a12 * a12).clamp_min(eps)
+    gamma = (a22 * r_gamma - a12 * r_beta) / determinant
+    beta = (a11 * r_beta - a12 * r_gamma) / determinant
+    return gamma, beta
+
+
+def solve_norm_scale(
+    sum_second_moment: Tensor,
+    rhs_gamma_data: Tensor,
+    num_tasks: int,
+    anchor_gamma: Tensor,
+    lambda_: float,
+    eps: float,
+) -> Tensor:
+    """Scale-only form of Eq. 57 (RMSNorm, no shift): gamma* = (sum q_i gamma_i + lambda gamma_anc) / (sum q_i + lambda)."""
+    denominator = (sum_second_moment.to(SOLVE_DTYPE) + lambda_).clamp_min(eps)
+    return (rhs_gamma_data.to(SOLVE_DTYPE) + lambda_ * anchor_gamma.to(SOLVE_DTYPE)) / denominator

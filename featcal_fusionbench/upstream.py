@@ -1,0 +1,75 @@
+"""Getting the upstream merged model that a post-merging method starts from.
+
+Three sources, in this order of precedence: a saved model path, a ``_merged_``
+entry in the pool, or a nested FusionBench method config that is run on the
+pool (FusionBench's own "base method, then calibrate" pattern).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Tuple
+
+from omegaconf import DictConfig
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def instantiate_upstream(upstream: Any, parent: Any):
+    """Build the upstream method and hand it the parent's Fabric and program."""
+    from fusion_bench.utils.instantiate_utils import instantiate
+
+    if isinstance(upstream, (dict, DictConfig)):
+        if "_target_" not in upstream:
+            raise ValueError(f"the upstream method config has no `_target_`: {dict(upstream)}")
+        method = instantiate(upstream, _recursive_=False)
+    else:
+        method = upstream
+    if not callable(getattr(method, "run", None)):
+        raise TypeError(f"the upstream method {type(method).__name__} has no run(modelpool)")
+    for attr in ("_fabric_instance", "_program"):
+        if hasattr(method, attr) and getattr(parent, attr, None) is not None:
+            setattr(method, attr, getattr(parent, attr))
+    return method
+
+
+def describe_upstream(upstream: Any) -> str:
+    if isinstance(upstream, (dict, DictConfig)):
+        return str(upstream.get("_target_"))
+    return type(upstream).__name__
+
+
+def check_upstream_source(modelpool, upstream: Any, merged_model_path: Optional[str]) -> None:
+    """Fail before any heavy work when no source of the merged model is given."""
+    if merged_model_path is None and not modelpool.has_merged and upstream is None:
+        raise ValueError(
+            "no upstream merged model: set `upstream` to a FusionBench method config, "
+            "add `_merged_` to the model pool, or set `merged_model_path`"
+        )
+
+
+def load_merged_model(
+    modelpool, upstream: Any, merged_model_path: Optional[str], parent: Any, reference: nn.Module
+) -> Tuple[nn.Module, str]:
+    """Return (merged model, a description of where it came from)."""
+    check_upstream_source(modelpool, upstream, merged_model_path)
+    if merged_model_path is not None:
+        if upstream is not None or modelpool.has_merged:
+            log.warning("merged_model_path is set: the upstream method and any `_merged_` entry are not used")
+        loader = getattr(type(reference), "from_pretrained", None)
+        if loader is None:
+            raise TypeError(f"cannot load a saved {type(reference).__name__}: it has no from_pretrained")
+        return loader(merged_model_path), f"path:{merged_model_path}"
+    if modelpool.has_merged:
+        if upstream is not None:
+            log.warning("the pool has `_merged_`: the upstream method config is not run")
+        return modelpool.load_model("_merged_"), "pool:_merged_"
+    method = instantiate_upstream(upstream, parent)
+    log.info("running the upstream merger %s", describe_upstream(upstream))
+    merged = method.run(modelpool)
+    if isinstance(merged, dict):
+        raise TypeError(
+            f"the upstream method {describe_upstream(upstream)} returned a dict; FeatCal needs one merged model"
+        )
+    return merged, f"method:{describe_upstream(upstream)}"

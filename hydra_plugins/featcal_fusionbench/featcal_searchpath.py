@@ -1,0 +1,24 @@
+"""Makes `fusion_bench method=featcal ...` resolve after `pip install`, with no extra flag.
+
+Hydra discovers this module in the `hydra_plugins` namespace package. It appends
+this project's configs (shipped as the `featcal_fusionbench_config` package) to
+the search path, after FusionBench's own so theirs win any name clash. When the
+FusionBench CLI picked a `./config` folder of the current directory as its primary
+config path (as it does from this repository's root), FusionBench's configs are not
+on the path at all; they are appended too, so `fabric_model_fusion` still resolves.
+"""
+
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+FEATCAL_CONFIGS = "pkg://featcal_fusionbench_config"
+FUSION_BENCH_CONFIGS = "pkg://fusion_bench_config"
+
+
+class FeatCalSearchPathPlugin(SearchPathPlugin):
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        paths = [element.path for element in search_path.get_path()]
+        if not any(p is not None and p.rstrip("/").endswith("fusion_bench_config") for p in paths):
+            search_path.append(provider="fusion_bench", path=FUSION_BENCH_CONFIGS)
+        if FEATCAL_CONFIGS not in paths:
+            search_path.append(provider="featcal-fusionbench", path=FEATCAL_CONFIGS)
