@@ -1,0 +1,125 @@
+"""The `fusion_bench` CLI with this plugin installed, offline, on the toy world."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+METHOD_CONFIGS = sorted(p.stem for p in (REPO / "config" / "method" / "featcal").glob("*.yaml"))
+
+
+def fusion_bench(*args, cwd, check=True):
+    env = {**os.environ, **OFFLINE}
+    result = subprocess.run([FUSION_BENCH, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"fusion_bench {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def toy_args(toy_world, *extra):
+    return [
+        "--config-dir", toy_world["config_dir"],
+        "modelpool=CLIPVisionModelPool/toy",
+        "taskpool=CLIPVisionModelTaskPool/toy",
+        "method.num_calibration_examples=16",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def fusion_bench_config_dir():
+    import fusion_bench_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+        yield
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("name", ["featcal"] + [f"featcal/{n}" for n in METHOD_CONFIGS])
+def test_every_method_config_composes_with_the_paper_settings(fusion_bench_config_dir, name):
+    cfg = compose(
+        "fabric_model_fusion",
+        overrides=[
+            f"method={name}",
+            "modelpool=CLIPVisionModelPool/clip-vit-base-patch32_TA8",
+            "taskpool=CLIPVisionModelTaskPool/clip-vit-classification_TA8",
+        ],
+    )
+    method = OmegaConf.to_container(cfg.method, resolve=True)
+    assert method["_target_"] == "featcal_fusionbench.FeatCalAlgorithm"
+    assert method["upstream"]["_target_"].startswith("fusion_bench.method.")
+    assert method["num_calibration_examples"] == 256
+    from featcal_fusionbench import FeatCalAlgorithm
+
+    FeatCalAlgorithm(**{k: v for k, v in method.items() if k != "_target_"})  # every entry is an argument
+    paper = {"lambda_": 0.05, "rho": 2.0, "alpha": 0.3, "last_block_patch_token_weight": 1.0}
+    demo = {"lambda_": 0.05, "rho": 2.2, "alpha": 0.25, "last_block_patch_token_weight": 0.01}
+    expected = demo if name.endswith("_demo") else paper
+    assert {k: method[k] for k in expected} == expected
+
+
+def test_method_resolves_from_the_repository_root_despite_its_config_folder():
+    """The CLI makes ./config its primary config path here; the plugin must keep FusionBench's configs reachable."""
+    result = fusion_bench("--cfg", "job", "method=featcal", "method.lambda_=0.01", cwd=REPO)
+    cfg = OmegaConf.create(result.stdout)
+    assert cfg.method._target_ == "featcal_fusionbench.FeatCalAlgorithm"
+    assert cfg.method.lambda_ == 0.01
+    assert cfg._target_ == "fusion_bench.programs.FabricModelFusionProgram"
+
+
+def test_end_to_end_offline_run_evaluates_and_saves_the_calibrated_model(toy_world, tmp_path):
+    log_dir = tmp_path / "log"
+    fusion_bench(
+        *toy_args(toy_world, "method=featcal", f"path.log_dir={log_dir}", f"merged_model_save_path={tmp_path / 'saved'}"),
+        cwd=tmp_path,
+    )
+    report = json.loads((log_dir / "program_report.json").read_text())
+    assert set(report) >= {"toy_0", "toy_1", "average"}
+    assert 0.0 <= report["average"]["accuracy"] <= 1.0
+    calibration = json.loads((log_dir / "featcal_report.json").read_text())
+    assert calibration["upstream"] == "method:fusion_bench.method.TaskArithmeticAlgorithm"
+    assert len(calibration["blocks"]) == 2
+    from transformers import CLIPVisionModel
+
+    saved = CLIPVisionModel.from_pretrained(tmp_path / "saved")
+    pretrained = CLIPVisionModel.from_pretrained(toy_world["root"] / "pretrained")
+    assert saved.state_dict().keys() == pretrained.state_dict().keys()
+
+
+def test_two_value_multirun_reports_upstream_and_featcal_for_each_value(toy_world, tmp_path):
+    fusion_bench(
+        "-m",
+        *toy_args(
+            toy_world,
+            "method=featcal",
+            "method.return_upstream=true",
+            "method.lambda_=0.01,0.5",
+            f"path.log_dir={tmp_path}/run_${{hydra:job.num}}",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+        ),
+        cwd=tmp_path,
+    )
+    reports = [json.loads((tmp_path / f"run_{i}" / "program_report.json").read_text()) for i in range(2)]
+    for report in reports:
+        assert set(report) >= {"upstream", "featcal", "featcal_calibration"}
+        assert "average" in report["featcal"]
+    lambdas = [json.loads((tmp_path / f"run_{i}" / "featcal_report.json").read_text())["hparams"]["lambda_"] for i in range(2)]
+    assert lambdas == [0.01, 0.5]
+    # the upstream model is the same Task Arithmetic merge in both jobs
+    assert reports[0]["upstream"]["average"] == reports[1]["upstream"]["average"]
+
+
+def test_bad_input_on_the_command_line_fails_with_the_reason(toy_world, tmp_path):
+    result = fusion_bench(*toy_args(toy_world, "method=featcal", "method.alpha=1.5"), cwd=tmp_path, check=False)
+    assert result.returncode != 0
+    assert "alpha must lie in [0, 1]" in result.stdout + result.stderr

@@ -1,0 +1,152 @@
+"""The forward-order engine on tiny CLIP vision models built here."""
+
+import copy
+
+import pytest
+import torch
+
+from featcal_fusionbench.architectures import CLIPVisionAdapter
+from featcal_fusionbench.engine import FeatCalEngine
+from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.moments import NonFiniteError
+
+from helpers import (
+    block_module_inputs,
+    independent_layernorm_solve,
+    independent_linear_solve,
+    tiny_world,
+)
+
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"]
+NORMS = ["layer_norm1", "layer_norm2"]
+
+
+def calibrate(merged, base, experts, data, adapter=None, **overrides):
+    hp = FeatCalHParams(num_calibration_examples=12, batch_size=4, **overrides)
+    engine = FeatCalEngine(adapter or CLIPVisionAdapter.from_hparams(hp), hp, "cpu", progress=False)
+    report = engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})
+    return merged, report
+
+
+def block(model, index):
+    return model.vision_model.encoder.layers[index]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_each_block_is_fitted_on_inputs_from_the_calibrated_prefix(index):
+    """Block l's solution equals an independent solve on the features the *final* model feeds
+    block l (its prefix is the calibrated prefix), with block l itself still merged (App. F)."""
+    base, experts, merged, data = tiny_world()
+    original = copy.deepcopy(merged)
+    lam, rho, alpha = 0.05, 2.0, 0.3
+    calibrated, _ = calibrate(merged, base, experts, data, lambda_=lam, rho=rho, alpha=alpha, accumulation_dtype="float64")
+
+    snapshot = copy.deepcopy(calibrated)  # calibrated prefix, uncalibrated block `index`
+    block(snapshot, index).load_state_dict(block(original, index).state_dict())
+    tasks = list(experts)
+    x_cal = {t: block_module_inputs(snapshot, index, LINEARS + NORMS, data[t]) for t in tasks}
+    x_exp = {t: block_module_inputs(experts[t], index, LINEARS, data[t]) for t in tasks}
+    mods = {name: dict(block(m, index).named_modules()) for name, m in [("mer", original), ("base", base)]}
+    for name in LINEARS:
+        e_mods = [dict(block(experts[t], index).named_modules())[name] for t in tasks]
+        w_anc = rho * mods["mer"][name].weight + (1 - rho) * mods["base"][name].weight
+        b_anc = rho * mods["mer"][name].bias + (1 - rho) * mods["base"][name].bias
+        weight, bias = independent_linear_solve(
+            [x_cal[t][name] for t in tasks], [x_exp[t][name] for t in tasks],
+            [m.weight for m in e_mods], [m.bias for m in e_mods], w_anc, b_anc, lam, alpha, 1e-8,
+        )
+        got = dict(block(calibrated, index).named_modules())[name]
+        torch.testing.assert_close(got.weight.double(), weight, rtol=1e-4, atol=1e-5, msg=f"{name} weight")
+        torch.testing.assert_close(got.bias.double(), bias, rtol=1e-4, atol=1e-5, msg=f"{name} bias")
+    for name in NORMS:
+        e_mods = [dict(block(experts[t], index).named_modules())[name] for t in tasks]
+        m_mer, m_base = mods["mer"][name], mods["base"][name]
+        gamma, beta = independent_layernorm_solve(
+            [x_cal[t][name] for t in tasks], m_mer.eps,
+            [m.weight for m in e_mods], [m.bias for m in e_mods],
+            rho * m_mer.weight + (1 - rho) * m_base.weight, rho * m_mer.bias + (1 - rho) * m_base.bias, lam,
+        )
+        got = dict(block(calibrated, index).named_modules())[name]
+        torch.testing.assert_close(got.weight.double(), gamma, rtol=1e-4, atol=1e-5, msg=f"{name} scale")
+        torch.testing.assert_close(got.bias.double(), beta, rtol=1e-4, atol=1e-5, msg=f"{name} shift")
+
+
+def test_experts_equal_to_merged_with_alpha0_rho1_leave_the_model_unchanged():
+    base, _, merged, data = tiny_world()
+    experts = {t: copy.deepcopy(merged) for t in data}
+    original = copy.deepcopy(merged)
+    calibrated, _ = calibrate(merged, base, experts, data, alpha=0.0, rho=1.0, accumulation_dtype="float64")
+    for (name, p), q in zip(calibrated.named_parameters(), original.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_huge_lambda_returns_the_anchor_everywhere():
+    base, experts, merged, data = tiny_world()
+    original = copy.deepcopy(merged)
+    rho = 1.5
+    calibrated, _ = calibrate(merged, base, experts, data, lambda_=1e9, rho=rho)
+    base_state, orig_state = base.state_dict(), original.state_dict()
+    for name, p in calibrated.named_parameters():
+        if ".encoder.layers." not in name:
+            torch.testing.assert_close(p, orig_state[name])  # outside the blocks nothing moves
+            continue
+        expected = rho * orig_state[name] + (1 - rho) * base_state[name]
+        torch.testing.assert_close(p, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_calibration_reduces_drift_and_keeps_experts_and_base_untouched():
+    base, experts, merged, data = tiny_world()
+    before = {t: copy.deepcopy(e.state_dict()) for t, e in experts.items()}
+    base_before = copy.deepcopy(base.state_dict())
+    _, report = calibrate(merged, base, experts, data)
+    last = report["blocks"][-1]["drift"]
+    for task, drift in last.items():
+        assert drift["after"]["l2"] < drift["before"]["l2"], task
+    for t, e in experts.items():
+        for k, v in e.state_dict().items():
+            assert torch.equal(v, before[t][k]), (t, k)
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, base_before[k])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_models_calibrate_close_to_float32(dtype):
+    base, experts, merged, data = tiny_world()
+    reference, _ = calibrate(copy.deepcopy(merged), base, experts, data)
+    low = lambda m: copy.deepcopy(m).to(dtype)  # noqa: E731
+    calibrated, _ = calibrate(low(merged), low(base), {t: low(e) for t, e in experts.items()}, data)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for (name, p), q in zip(calibrated.named_parameters(), reference.parameters()):
+        assert p.dtype == dtype
+        assert torch.isfinite(p).all(), name
+        error = (p.float() - q).norm() / q.norm().clamp_min(1e-6)
+        assert error < tolerance, (name, float(error))
+
+
+def test_non_finite_expert_is_reported_with_the_module_name():
+    base, experts, merged, data = tiny_world()
+    with torch.no_grad():
+        block(experts["task1"], 1).mlp.fc1.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"encoder\.layers\.1\.mlp\.fc2.*task1"):
+        calibrate(merged, base, experts, data)
+
+
+def test_module_regex_calibrates_only_the_selected_modules():
+    base, experts, merged, data = tiny_world()
+    original = copy.deepcopy(merged)
+    calibrated, report = calibrate(merged, base, experts, data, module_regex=r"mlp\.fc[12]$")
+    changed = {n for (n, p), q in zip(calibrated.named_parameters(), original.parameters()) if not torch.equal(p, q)}
+    assert changed and all(".mlp.fc" in n for n in changed)
+    assert all(all(".mlp.fc" in m for m in b["modules"]) for b in report["blocks"])
+
+
+def test_last_block_patch_weight_changes_q_but_not_k_v():
+    base, experts, merged, data = tiny_world()
+    uniform, _ = calibrate(copy.deepcopy(merged), base, experts, data)
+    demo, _ = calibrate(copy.deepcopy(merged), base, experts, data, last_block_patch_token_weight=0.01)
+    last_u, last_d = block(uniform, 2).self_attn, block(demo, 2).self_attn
+    torch.testing.assert_close(last_u.k_proj.weight, last_d.k_proj.weight)
+    torch.testing.assert_close(last_u.v_proj.weight, last_d.v_proj.weight)
+    assert not torch.allclose(last_u.q_proj.weight, last_d.q_proj.weight)
+    # earlier blocks never see the weighting
+    torch.testing.assert_close(block(uniform, 1).mlp.fc1.weight, block(demo, 1).mlp.fc1.weight)
