@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from PIL import Image
+from tqdm.auto import tqdm
 
 from .clip_tokenizer import clip_tokenizer
 
@@ -112,9 +113,11 @@ def _finetune_expert(clip_model, vision_model, head, dataset, processor, spec, s
 def build_toy_clip_world(root: Path, spec: ToyCLIPSpec = ToyCLIPSpec()) -> Dict[str, str]:
     """Build the world under ``root``; return the paths of its pool and task-pool YAMLs."""
     from datasets import ClassLabel, Dataset, Features, Image as ImageFeature
+    from datasets.utils.logging import disable_progress_bar
     from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPVisionModel
 
     root = Path(root).resolve()
+    disable_progress_bar()  # one bar per saved shard drowns the build's own progress
     torch.manual_seed(spec.seed)
     rng = np.random.default_rng(spec.seed)
 
@@ -149,7 +152,7 @@ def build_toy_clip_world(root: Path, spec: ToyCLIPSpec = ToyCLIPSpec()) -> Dict[
     from datasets import load_from_disk
 
     expert_dirs = {}
-    for t, task in enumerate(spec.task_names()):
+    for t, task in enumerate(tqdm(spec.task_names(), desc="fine-tuning toy experts")):
         head = _zero_shot_head(clip_model, tokenizer, classnames[task])
         expert = CLIPVisionModel.from_pretrained(pretrained_dir)
         train = load_from_disk(data_paths[task]["train"])

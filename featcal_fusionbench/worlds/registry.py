@@ -1,0 +1,80 @@
+"""Named offline worlds, where they are cached, and building them atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict
+
+from .toy_clip import ToyCLIPSpec, build_toy_clip_world
+
+ENV_DIR = "FEATCAL_WORLDS_DIR"
+
+
+@dataclass(frozen=True)
+class World:
+    name: str
+    description: str
+    build: Callable[[Path], dict]
+    modelpool: str  # config names inside the world's config/ folder
+    taskpool: str
+
+
+TOY_SPEC = ToyCLIPSpec(
+    num_tasks=4, num_classes=8, noise=0.6, train_per_class=32, test_per_class=16,
+    finetune_steps=60, hidden_size=48, num_layers=3,
+)
+
+WORLDS: Dict[str, World] = {
+    "toy": World(
+        name="toy",
+        description="synthetic 4-task toy CLIP (seconds to build; a smoke world, not the paper's regime)",
+        build=lambda root: build_toy_clip_world(root, TOY_SPEC),
+        modelpool="CLIPVisionModelPool/toy",
+        taskpool="CLIPVisionModelTaskPool/toy",
+    ),
+}
+
+
+def worlds_dir() -> Path:
+    default = Path.home() / ".cache" / "featcal-fusionbench" / "worlds"
+    return Path(os.environ.get(ENV_DIR, default)).expanduser().resolve()
+
+
+def get_world(name: str) -> World:
+    if name not in WORLDS:
+        raise KeyError(f"unknown world {name!r}; known worlds: {', '.join(WORLDS)}")
+    return WORLDS[name]
+
+
+def world_path(name: str) -> Path:
+    get_world(name)
+    return worlds_dir() / name
+
+
+def is_built(name: str) -> bool:
+    return (world_path(name) / "world.json").is_file()
+
+
+def build_world(name: str, force: bool = False) -> Path:
+    """Build into a scratch folder and rename it into place, so no half-built world is ever visible."""
+    world = get_world(name)
+    final = world_path(name)
+    if is_built(name) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    scratch = final.parent / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        # Paths inside the world's YAMLs must point at the final location.
+        world.build(scratch)
+        for yaml_file in (scratch / "config").rglob("*.yaml"):
+            yaml_file.write_text(yaml_file.read_text().replace(str(scratch.resolve()), str(final)))
+        if final.exists():
+            shutil.rmtree(final)
+        scratch.rename(final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final
