@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
 from typing import Any, Dict, Optional
 
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
 from .architectures import adapter_class_for
-from .checks import check_same_architecture
-from .data import check_train_splits, select_calibration_data
+from .data import select_calibration_data
 from .engine import FeatCalEngine, plan_blocks
 from .hparams import FeatCalHParams
-from .upstream import check_upstream_source, load_merged_model
+from .post_merging import PostMergingMixin
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +21,7 @@ REPORT_NAME = "featcal_report.json"
 
 
 @auto_register_config
-class FeatCalAlgorithm(LightningFabricMixin, SimpleProfilerMixin, BaseAlgorithm):
+class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMixin, BaseAlgorithm):
     """Feature Calibration for post-merging models (closed form, forward order).
 
     The merged model comes from ``merged_model_path``, else the pool's
@@ -35,6 +32,8 @@ class FeatCalAlgorithm(LightningFabricMixin, SimpleProfilerMixin, BaseAlgorithm)
     the merged one), or with ``return_upstream`` a dict that FusionBench
     evaluates as two models: ``{"upstream": ..., "featcal": ...}``.
     """
+
+    method_name = "FeatCal"
 
     def __init__(
         self,
@@ -79,31 +78,16 @@ class FeatCalAlgorithm(LightningFabricMixin, SimpleProfilerMixin, BaseAlgorithm)
         hp = self.featcal_hparams
 
         # Everything that can be wrong with the input is checked before the upstream merge runs.
-        if not modelpool.has_pretrained:
-            raise ValueError(
-                "FeatCal needs the base model as `_pretrained_` in the model pool (it anchors every solve)"
-            )
-        tasks = list(modelpool.model_names)
-        if not tasks:
-            raise ValueError("the model pool has no expert models besides `_pretrained_`")
-        check_upstream_source(modelpool, self.upstream, self.merged_model_path)
-        check_train_splits(modelpool, tasks)
+        tasks = self.check_pool(modelpool)
         with self.profile("load models"):
-            base = modelpool.load_pretrained_model()
+            base, experts = self.load_base_and_experts(modelpool, tasks)
             adapter = adapter_class_for(base).from_hparams(hp)
             plan_blocks(adapter, base, hp)
-            experts = {}
-            for task in tasks:
-                experts[task] = modelpool.load_model(task)
-                check_same_architecture(base, experts[task], f"expert {task!r}")
         with self.profile("load calibration data"):
             datasets = select_calibration_data(modelpool, tasks, hp.num_calibration_examples, hp.seed)
 
         with self.profile("upstream merge"):
-            merged, source = load_merged_model(modelpool, self.upstream, self.merged_model_path, self, base)
-        check_same_architecture(base, merged, f"the merged model ({source})")
-        if merged is base or any(merged is e for e in experts.values()):
-            merged = copy.deepcopy(merged)  # never calibrate the base or an expert in place
+            merged, source = self.load_merged(modelpool, base, experts)
         upstream_model = copy.deepcopy(merged) if self.return_upstream else None
 
         engine = FeatCalEngine(
@@ -111,7 +95,7 @@ class FeatCalAlgorithm(LightningFabricMixin, SimpleProfilerMixin, BaseAlgorithm)
             hp,
             self.fabric.device,
             track_upstream=self.track_upstream_drift,
-            log_fn=self._log_metrics,
+            log_fn=self.log_metrics,
         )
         batches = {t: adapter.make_input_batches(modelpool, datasets[t], hp.batch_size) for t in tasks}
         with self.profile("calibration"):
@@ -123,25 +107,12 @@ class FeatCalAlgorithm(LightningFabricMixin, SimpleProfilerMixin, BaseAlgorithm)
                 "device": str(self.fabric.device),
             }
         )
-        self._save_report(report)
+        self.save_report(REPORT_NAME, report)
         self.print_profile_summary("FeatCal profile")
 
         if self.return_upstream:
             return {"upstream": upstream_model, "featcal": merged, "featcal_calibration": _summary(report)}
         return merged
-
-    def _log_metrics(self, metrics: Dict[str, float], step: int) -> None:
-        if self.fabric is not None and self.fabric.loggers:
-            self.fabric.log_dict(metrics, step=step)
-
-    def _save_report(self, report: Dict[str, Any]) -> None:
-        log_dir = self.log_dir
-        if log_dir is None or not self.fabric.is_global_zero:
-            return
-        path = os.path.join(log_dir, REPORT_NAME)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
-        log.info("FeatCal calibration report saved to %s", path)
 
 
 def _summary(report: Dict[str, Any]) -> Dict[str, Any]:

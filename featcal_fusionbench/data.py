@@ -1,4 +1,4 @@
-"""Seeded choice of the calibration examples: n per task from each task's train split."""
+"""Seeded choice of the calibration examples: n per task from each task's train (or test) split."""
 
 from __future__ import annotations
 
@@ -25,27 +25,34 @@ def _subset(dataset, indices: Sequence[int]):
     return Subset(dataset, list(indices))
 
 
-def check_train_splits(modelpool, tasks: Sequence[str]) -> None:
-    """Every task needs a train split in the pool (labels are not used)."""
-    available = list(modelpool.train_dataset_names)
+SPLITS = ("train", "test")
+
+
+def check_splits(modelpool, tasks: Sequence[str], split: str = "train") -> None:
+    """Every task needs the calibration split in the pool (labels are not used)."""
+    if split not in SPLITS:
+        raise ValueError(f"the calibration split must be one of {SPLITS}, got {split!r}")
+    available = list(getattr(modelpool, f"{split}_dataset_names"))
     missing = [t for t in tasks if t not in available]
     if missing:
         raise ValueError(
-            f"task(s) {missing} have no train split in the model pool; FeatCal draws its calibration "
-            f"examples from `train_datasets` (the pool lists: {available or 'none'})"
+            f"task(s) {missing} have no {split} split in the model pool; calibration examples come "
+            f"from `{split}_datasets` (the pool lists: {available or 'none'})"
         )
 
 
-def select_calibration_data(modelpool, tasks: Sequence[str], num_examples: int, seed: int) -> Dict[str, object]:
-    """Load each task's train split and keep exactly ``num_examples`` seeded examples."""
-    check_train_splits(modelpool, tasks)
+def select_calibration_data(
+    modelpool, tasks: Sequence[str], num_examples: int, seed: int, split: str = "train"
+) -> Dict[str, object]:
+    """Load each task's split and keep exactly ``num_examples`` seeded examples."""
+    check_splits(modelpool, tasks, split)
     selected = {}
     for task in tasks:
-        dataset = modelpool.load_train_dataset(task)
+        dataset = getattr(modelpool, f"load_{split}_dataset")(task)
         available = len(dataset)
         if available < num_examples:
             raise ValueError(
-                f"task {task!r} has only {available} train examples, fewer than "
+                f"task {task!r} has only {available} {split} examples, fewer than "
                 f"num_calibration_examples={num_examples}"
             )
         selected[task] = _subset(dataset, calibration_indices(available, num_examples, seed, task))

@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-METHOD_CONFIGS = sorted(p.stem for p in (REPO / "config" / "method" / "featcal").glob("*.yaml"))
+METHOD_CONFIGS = sorted(
+    str(p.relative_to(REPO / "config" / "method").with_suffix("")) for p in (REPO / "config" / "method").rglob("*.yaml")
+)
 
 
 def fusion_bench(*args, cwd, check=True):
@@ -45,8 +47,7 @@ def fusion_bench_config_dir():
     GlobalHydra.instance().clear()
 
 
-@pytest.mark.parametrize("name", ["featcal"] + [f"featcal/{n}" for n in METHOD_CONFIGS])
-def test_every_method_config_composes_with_the_paper_settings(fusion_bench_config_dir, name):
+def compose_method(name):
     cfg = compose(
         "fabric_model_fusion",
         overrides=[
@@ -56,16 +57,54 @@ def test_every_method_config_composes_with_the_paper_settings(fusion_bench_confi
         ],
     )
     method = OmegaConf.to_container(cfg.method, resolve=True)
-    assert method["_target_"] == "featcal_fusionbench.FeatCalAlgorithm"
     assert method["upstream"]["_target_"].startswith("fusion_bench.method.")
     assert method["num_calibration_examples"] == 256
-    from featcal_fusionbench import FeatCalAlgorithm
+    import featcal_fusionbench
 
-    FeatCalAlgorithm(**{k: v for k, v in method.items() if k != "_target_"})  # every entry is an argument
+    target = method.pop("_target_")
+    assert target.startswith("featcal_fusionbench.")
+    getattr(featcal_fusionbench, target.split(".")[-1])(**method)  # every entry is a constructor argument
+    return target, method
+
+
+def test_there_are_featcal_surgery_and_probsurgery_configs_for_every_upstream():
+    for method in ("featcal", "surgery", "probsurgery"):
+        for upstream in ("clip_ta", "clip_simple_average", "clip_adamerging", "clip_wudi"):
+            assert f"{method}/{upstream}" in METHOD_CONFIGS
+
+
+@pytest.mark.parametrize("name", [n for n in METHOD_CONFIGS if n.startswith("featcal")])
+def test_every_featcal_config_composes_with_the_paper_settings(fusion_bench_config_dir, name):
+    target, method = compose_method(name)
+    assert target == "featcal_fusionbench.FeatCalAlgorithm"
     paper = {"lambda_": 0.05, "rho": 2.0, "alpha": 0.3, "last_block_patch_token_weight": 1.0}
     demo = {"lambda_": 0.05, "rho": 2.2, "alpha": 0.25, "last_block_patch_token_weight": 0.01}
     expected = demo if name.endswith("_demo") else paper
     assert {k: method[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("name", [n for n in METHOD_CONFIGS if n.split("/")[0] in ("surgery", "probsurgery")])
+def test_every_baseline_config_composes_with_the_paper_defaults(fusion_bench_config_dir, name):
+    target, method = compose_method(name)
+    assert target.endswith("ProbSurgeryAlgorithm" if name.startswith("prob") else ".SurgeryAlgorithm")
+    assert (method["max_steps"], method["batch_size"], method["lr"]) == (1000, 16, 1e-3)
+    assert method["calibration_split"] == "train" and method["eval_iterations"] is None
+    if name.startswith("prob"):
+        assert (method["hidden_dim"], method["kl_weight"]) == (128, 1e-4)
+    else:
+        assert method["rank"] == 16
+
+
+def test_probsurgery_runs_through_the_cli_and_is_evaluated_by_the_surgery_hook(toy_world, tmp_path):
+    fusion_bench(
+        *toy_args(toy_world, "method=probsurgery/clip_ta", "method.max_steps=2", "method.return_upstream=true",
+                  f"path.log_dir={tmp_path}"),
+        cwd=tmp_path,
+    )
+    report = json.loads((tmp_path / "program_report.json").read_text())
+    assert set(report) >= {"upstream", "probsurgery", "probsurgery_calibration"}
+    assert "average" in report["probsurgery"]
+    assert report["probsurgery_calibration"]["features"] == "streamed"
 
 
 def test_method_resolves_from_the_repository_root_despite_its_config_folder():

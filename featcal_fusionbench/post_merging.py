@@ -1,0 +1,69 @@
+"""What every post-merging method here shares: pool checks, the upstream merged model, reports.
+
+FeatCal, Surgery and ProbSurgery all start from the same three sources of the merged
+model and the same per-task calibration budget, and all fail before the upstream merge
+runs when the input is bad.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from typing import Any, Dict, List, Tuple
+
+from torch import nn
+
+from .checks import check_same_architecture
+from .data import check_splits
+from .upstream import check_upstream_source, load_merged_model
+
+log = logging.getLogger(__name__)
+
+
+class PostMergingMixin:
+    """Needs ``upstream`` and ``merged_model_path`` attributes, and LightningFabricMixin's ``fabric``."""
+
+    method_name = "post-merging"
+
+    def check_pool(self, modelpool, split: str = "train") -> List[str]:
+        """Return the task names; raise on anything that would fail later."""
+        if not modelpool.has_pretrained:
+            raise ValueError(
+                f"{self.method_name} needs the base model as `_pretrained_` in the model pool"
+            )
+        tasks = list(modelpool.model_names)
+        if not tasks:
+            raise ValueError("the model pool has no expert models besides `_pretrained_`")
+        check_upstream_source(modelpool, self.upstream, self.merged_model_path)
+        check_splits(modelpool, tasks, split)
+        return tasks
+
+    def load_base_and_experts(self, modelpool, tasks) -> Tuple[nn.Module, Dict[str, nn.Module]]:
+        base = modelpool.load_pretrained_model()
+        experts = {}
+        for task in tasks:
+            experts[task] = modelpool.load_model(task)
+            check_same_architecture(base, experts[task], f"expert {task!r}")
+        return base, experts
+
+    def load_merged(self, modelpool, base, experts) -> Tuple[nn.Module, str]:
+        merged, source = load_merged_model(modelpool, self.upstream, self.merged_model_path, self, base)
+        check_same_architecture(base, merged, f"the merged model ({source})")
+        if merged is base or any(merged is e for e in experts.values()):
+            merged = copy.deepcopy(merged)  # never modify the base or an expert in place
+        return merged, source
+
+    def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
+        if self.fabric is not None and self.fabric.loggers:
+            self.fabric.log_dict(metrics, step=step)
+
+    def save_report(self, name: str, report: Dict[str, Any]) -> None:
+        log_dir = self.log_dir
+        if log_dir is None or not self.fabric.is_global_zero:
+            return
+        path = os.path.join(log_dir, name)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        log.info("%s report saved to %s", self.method_name, path)

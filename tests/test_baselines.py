@@ -1,0 +1,140 @@
+"""Surgery and ProbSurgery after an upstream merger, on the toy world and on tiny models."""
+
+import lightning as L
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from featcal_fusionbench import ProbSurgeryAlgorithm, SurgeryAlgorithm
+from featcal_fusionbench.baselines import ProbSurgeryModelWrapper, SurgeryModelWrapper
+from fusion_bench.utils import instantiate
+
+from helpers import tiny_clip_vision
+
+TA = {"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3, "inplace": False}
+METHODS = [SurgeryAlgorithm, ProbSurgeryAlgorithm]
+
+
+def load_pool(toy_world):
+    return instantiate(OmegaConf.load(toy_world["modelpool"]))
+
+
+def load_taskpool(toy_world, fabric):
+    taskpool = instantiate(OmegaConf.load(toy_world["taskpool"]))
+    taskpool._fabric_instance = fabric
+    return taskpool
+
+
+def make(cls, **kwargs):
+    kwargs.setdefault("upstream", TA)
+    kwargs.setdefault("num_calibration_examples", 16)
+    kwargs.setdefault("max_steps", 3)
+    kwargs.setdefault("batch_size", 8)
+    algo = cls(**kwargs)
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+    return algo
+
+
+def accuracies(report):
+    return {t: v["accuracy"] for t, v in report.items() if isinstance(v, dict) and "accuracy" in v}
+
+
+@pytest.mark.parametrize("wrapper_cls", [SurgeryModelWrapper, ProbSurgeryModelWrapper])
+def test_untrained_wrapper_leaves_features_unchanged(wrapper_cls):
+    wrapper = wrapper_cls(tiny_clip_vision(), ["a-task", "b"], projection_dim=16).eval()
+    features = torch.nn.functional.normalize(torch.randn(5, 16), dim=-1)
+    for task in ("a-task", "b"):
+        mapped, original, _ = wrapper.compute_surgery_features(features, task)
+        assert torch.equal(mapped, features) and torch.equal(original, features)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_zero_steps_evaluate_exactly_like_the_upstream_model(cls, toy_world):
+    """Through FusionBench's task pool and its surgery hook: at step 0 the wrapper is the merged model."""
+    algo = make(cls, max_steps=0, return_upstream=True)
+    out = algo.run(load_pool(toy_world))
+    key = cls.method_name.lower()
+    assert out[key].is_surgery_model
+    taskpool = load_taskpool(toy_world, algo.fabric)
+    assert accuracies(taskpool.evaluate(out[key])) == accuracies(taskpool.evaluate(out["upstream"]))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_loss_decreases_on_a_fixed_batch(cls):
+    torch.manual_seed(0)
+    algo = cls()
+    wrapper = algo.build_wrapper(tiny_clip_vision(), ["t"], 16)
+    features = torch.nn.functional.normalize(torch.randn(16, 16), dim=-1)
+    target = torch.nn.functional.normalize(features + 0.3 * torch.randn(16, 16), dim=-1)
+    optimizer = torch.optim.Adam(wrapper.collect_trainable_params(), lr=1e-3)
+    wrapper.train()
+    losses = []
+    for _ in range(300):
+        loss = algo.loss(wrapper, features, target, "t")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-20:]) / 20 < 0.8 * sum(losses[:20]) / 20
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_same_seed_gives_the_same_weights_and_another_seed_does_not(cls, toy_world):
+    weights = [make(cls, seed=s).run(load_pool(toy_world)).state_dict() for s in (7, 7, 8)]
+    trained = [k for k in weights[0] if not k.startswith("model.")]
+    assert trained
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in trained)
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in trained)
+
+
+def test_probsurgery_evaluation_is_deterministic(toy_world):
+    algo = make(ProbSurgeryAlgorithm, max_steps=5)
+    wrapper = algo.run(load_pool(toy_world))
+    assert not wrapper.training
+    taskpool = load_taskpool(toy_world, algo.fabric)
+    first = taskpool.evaluate(wrapper)
+    assert {t: v["loss"] for t, v in first.items() if "loss" in v} == {
+        t: v["loss"] for t, v in taskpool.evaluate(wrapper).items() if "loss" in v
+    }
+
+
+@pytest.mark.parametrize("split, precompute", [("test", False), ("train", True)])
+def test_split_and_feature_mode_are_reported(toy_world, tmp_path, split, precompute):
+    algo = make(SurgeryAlgorithm, calibration_split=split, precompute_features=precompute)
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1, loggers=[L.fabric.loggers.CSVLogger(str(tmp_path))])
+    algo.run(load_pool(toy_world))
+    import json
+
+    report = json.loads(next(tmp_path.rglob("surgery_report.json")).read_text())
+    assert report["calibration_split"] == split
+    assert report["features"] == ("precomputed" if precompute else "streamed")
+    assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticAlgorithm"
+
+
+@pytest.mark.parametrize("cls", METHODS)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_calibration_examples": 0}, "num_calibration_examples must be an integer >= 1"),
+        ({"max_steps": -1}, "max_steps must be an integer >= 0"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"calibration_split": "val"}, "calibration_split must be one of"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(cls, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_pool_without_experts_is_an_error(cls, toy_world):
+    pool = load_pool(toy_world)
+    for name in list(pool.model_names):
+        del pool._models[name]
+    with pytest.raises(ValueError, match="no expert models"):
+        make(cls).run(pool)
+
+
+def test_too_few_test_examples_for_test_time_adaptation_say_how_many(toy_world):
+    with pytest.raises(ValueError, match="has only 32 test examples, fewer than num_calibration_examples=33"):
+        make(SurgeryAlgorithm, calibration_split="test", num_calibration_examples=33).run(load_pool(toy_world))
