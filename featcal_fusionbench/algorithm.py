@@ -10,7 +10,7 @@ from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
 from .architectures import adapter_class_for
-from .data import select_calibration_data
+from .data import select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
 from .hparams import FeatCalHParams
 from .post_merging import PostMergingMixin
@@ -85,6 +85,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             plan_blocks(adapter, base, hp)
         with self.profile("load calibration data"):
             datasets = select_calibration_data(modelpool, tasks, hp.num_calibration_examples, hp.seed)
+            # Several devices: each rank streams a disjoint shard of every task; the moment sums are
+            # all-reduced before each solve, so every rank solves the same systems.
+            world_size, rank = self.fabric.world_size, self.fabric.global_rank
+            datasets = {t: shard(d, rank, world_size) for t, d in datasets.items()}
 
         with self.profile("upstream merge"):
             merged, source = self.load_merged(modelpool, base, experts)
@@ -94,8 +98,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             adapter,
             hp,
             self.fabric.device,
+            reduce=self._all_reduce if world_size > 1 else None,
             track_upstream=self.track_upstream_drift,
-            log_fn=self.log_metrics,
+            log_fn=self.log_metrics if self.fabric.is_global_zero else None,
+            progress=self.fabric.is_global_zero,
         )
         batches = {t: adapter.make_input_batches(modelpool, datasets[t], hp.batch_size) for t in tasks}
         with self.profile("calibration"):
@@ -105,6 +111,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 "upstream": source,
                 "hparams": {k: getattr(hp, k) for k in hp.__dataclass_fields__},
                 "device": str(self.fabric.device),
+                "world_size": world_size,
             }
         )
         self.save_report(REPORT_NAME, report)
@@ -113,6 +120,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         if self.return_upstream:
             return {"upstream": upstream_model, "featcal": merged, "featcal_calibration": _summary(report)}
         return merged
+
+
+    def _all_reduce(self, tensor):
+        return self.fabric.all_reduce(tensor.to(self.fabric.device), reduce_op="sum").to(tensor.device)
 
 
 def _summary(report: Dict[str, Any]) -> Dict[str, Any]:

@@ -57,3 +57,15 @@ def select_calibration_data(
             )
         selected[task] = _subset(dataset, calibration_indices(available, num_examples, seed, task))
     return selected
+
+
+def shard(dataset, rank: int, world_size: int):
+    """Rank ``rank``'s share of a calibration set: every ``world_size``-th example, disjoint across ranks."""
+    if world_size == 1:
+        return dataset
+    if len(dataset) < world_size:
+        raise ValueError(
+            f"{len(dataset)} calibration examples cannot be shared by {world_size} ranks; "
+            "use at least one example per rank"
+        )
+    return _subset(dataset, list(range(rank, len(dataset), world_size)))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -28,15 +29,18 @@ class DriftMeter:
         self.cosine += float(cos.sum())
         self.count += l2.numel()
 
-    def result(self) -> Dict[str, float]:
-        if self.count == 0:
+    def result(self, reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Dict[str, float]:
+        l2, cosine, count = self.l2, self.cosine, self.count
+        if reduce is not None:  # sums from every rank's shard
+            l2, cosine, count = reduce(torch.tensor([l2, cosine, count], dtype=torch.float64)).tolist()
+        if count == 0:
             return {"l2": float("nan"), "cosine": float("nan")}
-        return {"l2": self.l2 / self.count, "cosine": self.cosine / self.count}
+        return {"l2": l2 / count, "cosine": cosine / count}
 
 
-def stream_drift(hidden, reference, masks=None) -> Dict[str, float]:
+def stream_drift(hidden, reference, masks=None, reduce=None) -> Dict[str, float]:
     meter = DriftMeter()
     for i, (h, r) in enumerate(zip(hidden, reference)):
         meter.update(h, r, None if masks is None else masks[i])
-    return meter.result()
+    return meter.result(reduce)
 

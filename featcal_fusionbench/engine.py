@@ -72,6 +72,30 @@ def on_device(modules: Iterable[nn.Module], device: torch.device):
                 module.to(origin)
 
 
+class PhaseTimer:
+    """Seconds per phase of the loop, for profiling; a no-op unless enabled (CUDA is synchronised then)."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self.sync = enabled and device.type == "cuda"
+        self.seconds: Dict[str, float] = Counter()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        if self.sync:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - started
+
+
 @dataclass
 class BlockPlan:
     """Which modules of one block are calibrated: relative name -> (full name, kind)."""
@@ -191,6 +215,7 @@ class FeatCalEngine:
         track_upstream: bool = True,
         log_fn: Optional[LogFn] = None,
         progress: bool = True,
+        profile: bool = False,
     ):
         self.adapter = adapter
         self.hparams = hparams
@@ -199,6 +224,7 @@ class FeatCalEngine:
         self.track_upstream = track_upstream
         self.log_fn = log_fn
         self.progress = progress
+        self.timer = PhaseTimer(profile, self.device)
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -207,11 +233,12 @@ class FeatCalEngine:
         cal, exp = Stream(), Stream()
         with on_device(adapter.stem_modules(expert), self.device):
             for inputs in batches:
-                inputs = adapter.inputs_to(inputs, self.device)
-                for stream, source in ((cal, model), (exp, expert)):
-                    hidden, meta = adapter.embed(source, inputs)
-                    stream.hidden.append(hidden)
-                    stream.meta.append(meta)
+                with self.timer("embed"):
+                    inputs = adapter.inputs_to(inputs, self.device)
+                    for stream, source in ((cal, model), (exp, expert)):
+                        hidden, meta = adapter.embed(source, inputs)
+                        stream.hidden.append(hidden)
+                        stream.meta.append(meta)
         if not cal.hidden:
             raise ValueError("a task produced no calibration batches")
         return cal, exp
@@ -225,8 +252,7 @@ class FeatCalEngine:
 
     def _snapshot_task(self, plan, block, expert_block, streams, num_blocks, groups):
         """Stream task i's batches through the uncalibrated and the expert block; return moments."""
-        adapter, hp = self.adapter, self.hparams
-        dtype = hp.torch_accumulation_dtype
+        adapter = self.adapter
         linear = plan.names(LINEAR)
         norms = plan.names(LAYERNORM, RMSNORM)
         cal_modules = dict(block.named_modules())
@@ -236,43 +262,72 @@ class FeatCalEngine:
         norm_moments: Dict[str, NormInputMoments] = {}
         cal, exp, upstream = streams
         for b in range(len(cal.hidden)):
-            with capture_inputs({n: cal_modules[n] for n in watched}) as cap_cal:
+            with self.timer("snapshot forward"), capture_inputs({n: cal_modules[n] for n in watched}) as cap_cal:
                 adapter.run_block(block, cal.hidden[b], cal.meta[b])
-            with capture_inputs({n: exp_modules[n] for n in linear}) as cap_exp:
+            with self.timer("expert forward"), capture_inputs({n: exp_modules[n] for n in linear}) as cap_exp:
                 exp.hidden[b] = adapter.run_block(expert_block, exp.hidden[b], exp.meta[b])
             if upstream is not None:
                 # The block still holds its merged weights: this advances the upstream trajectory.
-                upstream.hidden[b] = adapter.run_block(block, upstream.hidden[b], upstream.meta[b])
-            if groups is None:
-                groups = []
-                for shared in group_shared_inputs(cap_cal, linear):
-                    by_profile: Dict[Hashable, List[str]] = {}
-                    for name in shared:
-                        by_profile.setdefault(adapter.weight_profile(plan.index, num_blocks, name), []).append(name)
-                    groups.extend(_LinearGroup(names, profile) for profile, names in by_profile.items())
-            weights_cache: Dict[Hashable, Optional[Tensor]] = {}
-
-            def weights(profile):
-                if profile not in weights_cache:
-                    weights_cache[profile] = adapter.token_weights(profile, cal.hidden[b], cal.meta[b])
-                return weights_cache[profile]
-
-            for gi, group in enumerate(groups):
-                first = group.names[0]
-                x_cal = cap_cal[first]
-                if gi not in linear_moments:
-                    linear_moments[gi] = LinearInputMoments(x_cal.shape[-1], dtype, self.device)
-                linear_moments[gi].update(x_cal, cap_exp[first], weights(group.profile))
-            for name in norms:
-                module = cal_modules[name]
-                if name not in norm_moments:
-                    kind = plan.modules[name][1]
-                    norm_moments[name] = NormInputMoments(
-                        _norm_dim(module), _normalizer(module, kind), dtype, self.device
-                    )
-                profile = adapter.weight_profile(plan.index, num_blocks, name)
-                norm_moments[name].update(cap_cal[name], weights(profile))
+                with self.timer("upstream forward"):
+                    upstream.hidden[b] = adapter.run_block(block, upstream.hidden[b], upstream.meta[b])
+            with self.timer("moments"):
+                if groups is None:
+                    groups = self._group_linears(plan, cap_cal, linear, num_blocks)
+                self._accumulate(
+                    plan, groups, cap_cal, cap_exp, cal.hidden[b], cal.meta[b], cal_modules,
+                    norms, num_blocks, linear_moments, norm_moments,
+                )
         return groups, linear_moments, norm_moments
+
+    def _group_linears(self, plan, captured, linear, num_blocks) -> List[_LinearGroup]:
+        """Modules fed the very same tensor with the same token weighting share one set of moments."""
+        groups = []
+        for shared in group_shared_inputs(captured, linear):
+            by_profile: Dict[Hashable, List[str]] = {}
+            for name in shared:
+                by_profile.setdefault(self.adapter.weight_profile(plan.index, num_blocks, name), []).append(name)
+            groups.extend(_LinearGroup(names, profile) for profile, names in by_profile.items())
+        return groups
+
+    def _accumulate(
+        self, plan, groups, cap_cal, cap_exp, hidden, meta, cal_modules, norms, num_blocks, linear_moments, norm_moments
+    ) -> None:
+        """Add one batch's captured inputs to the task's moments."""
+        adapter = self.adapter
+        dtype = self.hparams.torch_accumulation_dtype
+        weights_cache: Dict[Hashable, Optional[Tensor]] = {}
+
+        def weights(profile):
+            if profile not in weights_cache:
+                weights_cache[profile] = adapter.token_weights(profile, hidden, meta)
+            return weights_cache[profile]
+
+        for gi, group in enumerate(groups):
+            first = group.names[0]
+            if gi not in linear_moments:
+                linear_moments[gi] = LinearInputMoments(cap_cal[first].shape[-1], dtype, self.device)
+            linear_moments[gi].update(cap_cal[first], cap_exp[first], weights(group.profile))
+        for name in norms:
+            module = cal_modules[name]
+            if name not in norm_moments:
+                normalize = _normalizer(module, plan.modules[name][1])
+                norm_moments[name] = NormInputMoments(_norm_dim(module), normalize, dtype, self.device)
+            norm_moments[name].update(cap_cal[name], weights(adapter.weight_profile(plan.index, num_blocks, name)))
+
+    def _fold_task(self, plan, task, groups, lin, norms, exp_modules, sums: _BlockSums) -> None:
+        """Finalise one task's moments (reduced across ranks), check them, add them to the block's sums."""
+        hp = self.hparams
+        for gi, moments in lin.items():
+            stats = moments.finalize(self.reduce)
+            what = f"the input moments of {', '.join(plan.modules[n][0] for n in groups[gi].names)} (task {task})"
+            for tensor in (stats.gram, stats.cross, stats.mean_cal, stats.mean_exp):
+                check_finite(tensor, what)
+            sums.add_linear(gi, groups[gi], stats, exp_modules, hp, hp.calibrate_bias)
+        for name, moments in norms.items():
+            stats = moments.finalize(self.reduce)
+            check_finite(stats.second_moment, f"the normalised-input moments of {plan.modules[name][0]} (task {task})")
+            sums.add_norm(name, stats, exp_modules[name])
+        sums.num_tasks += 1
 
     def _solve_block(self, plan, block, base_block, sums: _BlockSums, groups) -> Dict[str, Any]:
         hp = self.hparams
@@ -378,19 +433,10 @@ class FeatCalEngine:
                         groups, lin, norms = self._snapshot_task(
                             plan, block, expert_block, streams[task], num_blocks, groups
                         )
-                        exp_modules = dict(expert_block.named_modules())
-                        for gi, moments in lin.items():
-                            stats = moments.finalize(self.reduce)
-                            what = f"the input moments of {', '.join(plan.modules[n][0] for n in groups[gi].names)} (task {task})"
-                            for tensor in (stats.gram, stats.cross, stats.mean_cal, stats.mean_exp):
-                                check_finite(tensor, what)
-                            sums.add_linear(gi, groups[gi], stats, exp_modules, hp, hp.calibrate_bias)
-                        for name, moments in norms.items():
-                            stats = moments.finalize(self.reduce)
-                            check_finite(stats.second_moment, f"the normalised-input moments of {plan.modules[name][0]} (task {task})")
-                            sums.add_norm(name, stats, exp_modules[name])
-                    sums.num_tasks += 1
-                with on_device([base_blocks[index]], self.device):
+                        with self.timer("moments"):
+                            exp_modules = dict(expert_block.named_modules())
+                            self._fold_task(plan, task, groups, lin, norms, exp_modules, sums)
+                with self.timer("solve"), on_device([base_blocks[index]], self.device):
                     methods = self._solve_block(plan, block, base_blocks[index], sums, groups)
             else:
                 # Nothing to fit here, but the expert and upstream trajectories still advance.
@@ -408,12 +454,14 @@ class FeatCalEngine:
             drift = {}
             for task in tasks:
                 cal, exp, upstream = streams[task]
-                for b in range(len(cal.hidden)):
-                    cal.hidden[b] = adapter.run_block(block, cal.hidden[b], cal.meta[b])
-                masks = [adapter.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
-                drift[task] = {"after": stream_drift(cal.hidden, exp.hidden, masks)}
-                if upstream is not None:
-                    drift[task]["before"] = stream_drift(upstream.hidden, exp.hidden, masks)
+                with self.timer("advance"):
+                    for b in range(len(cal.hidden)):
+                        cal.hidden[b] = adapter.run_block(block, cal.hidden[b], cal.meta[b])
+                with self.timer("drift"):
+                    masks = [adapter.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
+                    drift[task] = {"after": stream_drift(cal.hidden, exp.hidden, masks, self.reduce)}
+                    if upstream is not None:
+                        drift[task]["before"] = stream_drift(upstream.hidden, exp.hidden, masks, self.reduce)
             entry = {
                 "block": index,
                 "modules": [full for full, _ in plan.modules.values()],
@@ -431,6 +479,7 @@ class FeatCalEngine:
             "tasks": tasks,
             "num_blocks": num_blocks,
             "seconds": time.perf_counter() - started,
+            "phase_seconds": dict(self.timer.seconds) if self.timer.enabled else None,
             "blocks": report_blocks,
         }
 

@@ -87,30 +87,72 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
 
         return features
 
-    def _batches(self, dataset, processor, task_index: int) -> Iterator[Tensor]:
-        """Endless shuffled batches of one task's capped calibration set, seeded."""
+    def _image_batches(self, dataset, processor, task_index: int) -> Iterator[Tensor]:
+        """Endless seeded, shuffled batches of one task's capped calibration set; with
+        ``precompute_features``, one ordered pass over it instead."""
+        images = ImageClassificationDataset(dataset, processor)
+        if self.precompute_features:
+            return (x for x, _ in DataLoader(images, batch_size=self.batch_size))
         generator = torch.Generator().manual_seed(self.seed + task_index)
         loader = DataLoader(
-            ImageClassificationDataset(dataset, processor), batch_size=self.batch_size, shuffle=True,
-            generator=generator, drop_last=len(dataset) >= self.batch_size,
+            images, batch_size=self.batch_size, shuffle=True, generator=generator,
+            drop_last=len(dataset) >= self.batch_size,
         )
-        for _ in itertools.count():
-            for images, _labels in loader:
-                yield images
+        return (x for _ in itertools.count() for x, _ in loader)
 
-    def _precomputed(self, features, merged, expert, dataset, processor, task_index) -> Iterator[tuple]:
-        """Features of all n examples computed once, then sampled in seeded batches."""
-        loader = DataLoader(ImageClassificationDataset(dataset, processor), batch_size=self.batch_size)
+    def feature_stream(self, features, merged, expert, images: Iterator[Tensor], task_index: int) -> Iterator[tuple]:
+        """(merged feature, expert feature) batches: streamed through both models every step (the
+        originals' way), or with ``precompute_features`` computed once over ``images`` (one pass) and resampled."""
         device = self.fabric.device
-        with torch.no_grad():
-            pairs = [(features(merged, x.to(device)), features(expert, x.to(device))) for x, _ in loader]
+
+        def pair(x):
+            x = x.to(device)
+            with torch.no_grad():
+                return features(merged, x), features(expert, x)
+
+        if not self.precompute_features:
+            return (pair(x) for x in images)
+        pairs = [pair(x) for x in images]
         merged_f = torch.cat([p[0] for p in pairs])
         expert_f = torch.cat([p[1] for p in pairs])
         generator = torch.Generator().manual_seed(self.seed + task_index)
         size = min(self.batch_size, len(merged_f))
-        while True:
-            idx = torch.randperm(len(merged_f), generator=generator)[:size].to(device)
-            yield merged_f[idx], expert_f[idx]
+
+        def resample():
+            while True:
+                idx = torch.randperm(len(merged_f), generator=generator)[:size].to(device)
+                yield merged_f[idx], expert_f[idx]
+
+        return resample()
+
+    def train(self, wrapper: nn.Module, streams: Dict[str, Iterator[tuple]]) -> Dict[str, List[float]]:
+        """The calibration stage: ``max_steps`` iterations, one Adam step per task; returns losses."""
+        tasks = list(streams)
+        optimizer = torch.optim.Adam(
+            wrapper.collect_trainable_params(), lr=self.lr, betas=(0.9, 0.999), weight_decay=0.0
+        )
+        history: Dict[str, List[float]] = {t: [] for t in tasks}
+        wrapper.train()
+        wrapper.model.eval()
+        for step in tqdm(range(self.max_steps), desc=f"{self.method_name} steps", dynamic_ncols=True):
+            for task in tasks:
+                merged_f, expert_f = next(streams[task])
+                loss = self.loss(wrapper, merged_f, expert_f, task)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"{self.method_name}: non-finite loss at step {step} on task {task!r}")
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                history[task].append(loss.item())
+            if step % 50 == 0:
+                self.log_metrics({f"{self.method_name}/loss/{t}": history[t][-1] for t in tasks}, step)
+            if self.eval_iterations and (step + 1) % self.eval_iterations == 0 and getattr(self, "_program", None):
+                wrapper.eval()
+                self._program.evaluate_merged_model(self._program.taskpool, wrapper)
+                wrapper.train()
+                wrapper.model.eval()
+        wrapper.eval()
+        return history
 
     def run(self, modelpool: BaseModelPool):
         if not isinstance(modelpool, BaseModelPool):
@@ -133,47 +175,20 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         device = self.fabric.device
         torch.manual_seed(self.seed)  # wrapper initialisation and ProbSurgery's noise
         wrapper = self.build_wrapper(merged, tasks, projection.out_features).to(device)
-        wrapper.model.eval()
         projection.to(device)
         for expert in experts.values():
             expert.requires_grad_(False).eval().to(device)
         features = self._feature_fn(projection)
-        optimizer = torch.optim.Adam(wrapper.collect_trainable_params(), lr=self.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
         started = time.perf_counter()
-        streams = {}
-        for i, task in enumerate(tasks):
-            if self.precompute_features:
-                streams[task] = self._precomputed(features, wrapper.model, experts[task], datasets[task], processor, i)
-            else:
-                streams[task] = self._batches(datasets[task], processor, i)
-        history: Dict[str, List[float]] = {t: [] for t in tasks}
-        wrapper.train()
-        wrapper.model.eval()
-        for step in tqdm(range(self.max_steps), desc=f"{self.method_name} steps", dynamic_ncols=True):
-            for task in tasks:
-                if self.precompute_features:
-                    merged_f, expert_f = next(streams[task])
-                else:
-                    images = next(streams[task]).to(device)
-                    with torch.no_grad():
-                        expert_f = features(experts[task], images)
-                        merged_f = features(wrapper.model, images)
-                loss = self.loss(wrapper, merged_f, expert_f, task)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"{self.method_name}: non-finite loss at step {step} on task {task!r}")
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                history[task].append(float(loss))
-            if step % 50 == 0:
-                self.log_metrics({f"{self.method_name}/loss/{t}": history[t][-1] for t in tasks}, step)
-            if self.eval_iterations and (step + 1) % self.eval_iterations == 0 and getattr(self, "_program", None):
-                wrapper.eval()
-                self._program.evaluate_merged_model(self._program.taskpool, wrapper)
-                wrapper.train()
-                wrapper.model.eval()
-        wrapper.eval()
+        with self.profile("calibration"):
+            streams = {
+                task: self.feature_stream(
+                    features, wrapper.model, experts[task], self._image_batches(datasets[task], processor, i), i
+                )
+                for i, task in enumerate(tasks)
+            }
+            history = self.train(wrapper, streams)
         seconds = time.perf_counter() - started
         report = {
             "method": self.method_name,
