@@ -51,7 +51,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         module_regex: Optional[str] = None,
         last_block_patch_token_weight: float = 1.0,
         accumulation_dtype: str = "float32",
-        track_upstream_drift: bool = True,
+        track_upstream_drift: bool = False,
         return_upstream: bool = False,
         **kwargs,
     ):

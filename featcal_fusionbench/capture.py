@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Mapping
+from typing import Dict, Iterator, List, Mapping, Optional
 
 from torch import Tensor, nn
 
@@ -16,8 +16,11 @@ def _first_tensor(args, kwargs) -> Tensor:
 
 
 @contextmanager
-def capture_inputs(modules: Mapping[str, nn.Module]) -> Iterator[Dict[str, Tensor]]:
-    """Yield a dict that fills with each module's input tensor while the block runs."""
+def capture_inputs(
+    modules: Mapping[str, nn.Module], outputs: Optional[Dict[str, Tensor]] = None
+) -> Iterator[Dict[str, Tensor]]:
+    """Yield a dict that fills with each module's input tensor while the block runs; with
+    ``outputs``, that dict fills with each module's output too."""
     captured: Dict[str, Tensor] = {}
     handles = []
     for name, module in modules.items():
@@ -26,6 +29,12 @@ def capture_inputs(modules: Mapping[str, nn.Module]) -> Iterator[Dict[str, Tenso
             captured[_name] = _first_tensor(args, kwargs)
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        if outputs is not None:
+
+            def out_hook(_module, _args, output, _name=name):
+                outputs[_name] = output
+
+            handles.append(module.register_forward_hook(out_hook))
     try:
         yield captured
     finally:

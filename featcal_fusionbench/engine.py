@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .architectures import LAYERNORM, LINEAR, RMSNORM, ArchitectureAdapter
 from .capture import capture_inputs, group_shared_inputs
-from .drift import stream_drift
+from .drift import DriftMeter, stream_drift
 from .hparams import FeatCalHParams
 from .moments import (
     LinearInputMoments,
@@ -157,6 +157,11 @@ class _BlockSums:
         self.norm: Dict[str, Dict[str, Tensor]] = {}
         self.num_tasks = 0
 
+    def nbytes(self) -> int:
+        tensors = [*self.gram.values(), *self.mean_cal.values(), *self.target.values(), *self.bias_target.values()]
+        tensors += [t for entry in self.norm.values() for t in entry.values() if isinstance(t, Tensor)]
+        return sum(t.nbytes for t in tensors)
+
     @staticmethod
     def _add(store, key, value):
         store[key] = value if key not in store else store[key] + value
@@ -166,15 +171,14 @@ class _BlockSums:
         self._add(self.gram, gi, omega * stats.gram)
         self.omega[gi] += omega
         self._add(self.mean_cal, gi, omega * stats.mean_cal)
-        target_cross = stats.target_cross(hparams.alpha)
-        target_mean = stats.target_mean(hparams.alpha)
         dtype = stats.gram.dtype
         for name in group.names:
             expert = expert_modules[name]
             weight = expert.weight.to(dtype)
-            self._add(self.target, name, omega * (weight @ target_cross))
-            if with_bias and expert.bias is not None:
-                self._add(self.bias_target, name, omega * (expert.bias.to(dtype) + weight @ target_mean))
+            bias = None if expert.bias is None else expert.bias.to(dtype)
+            self._add(self.target, name, omega * stats.target(name, weight, bias, hparams.alpha))
+            if with_bias and bias is not None:
+                self._add(self.bias_target, name, omega * stats.bias_target(name, weight, bias, hparams.alpha))
 
     def add_norm(self, name, stats, expert_module):
         dtype = stats.mean.dtype
@@ -212,7 +216,7 @@ class FeatCalEngine:
         device: torch.device,
         *,
         reduce: Optional[Reduce] = None,
-        track_upstream: bool = True,
+        track_upstream: bool = False,
         log_fn: Optional[LogFn] = None,
         progress: bool = True,
         profile: bool = False,
@@ -225,6 +229,7 @@ class FeatCalEngine:
         self.log_fn = log_fn
         self.progress = progress
         self.timer = PhaseTimer(profile, self.device)
+        self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -260,12 +265,16 @@ class FeatCalEngine:
         watched = linear + norms
         linear_moments: Dict[int, LinearInputMoments] = {}
         norm_moments: Dict[str, NormInputMoments] = {}
+        before = DriftMeter()
         cal, exp, upstream = streams
         for b in range(len(cal.hidden)):
             with self.timer("snapshot forward"), capture_inputs({n: cal_modules[n] for n in watched}) as cap_cal:
-                adapter.run_block(block, cal.hidden[b], cal.meta[b])
-            with self.timer("expert forward"), capture_inputs({n: exp_modules[n] for n in linear}) as cap_exp:
+                uncalibrated = adapter.run_block(block, cal.hidden[b], cal.meta[b])
+            exp_out: Dict[str, Tensor] = {}
+            with self.timer("expert forward"), capture_inputs({n: exp_modules[n] for n in linear}, exp_out) as cap_exp:
                 exp.hidden[b] = adapter.run_block(expert_block, exp.hidden[b], exp.meta[b])
+            with self.timer("drift"):
+                before.update(uncalibrated, exp.hidden[b], adapter.valid_token_mask(cal.meta[b], uncalibrated))
             if upstream is not None:
                 # The block still holds its merged weights: this advances the upstream trajectory.
                 with self.timer("upstream forward"):
@@ -274,10 +283,10 @@ class FeatCalEngine:
                 if groups is None:
                     groups = self._group_linears(plan, cap_cal, linear, num_blocks)
                 self._accumulate(
-                    plan, groups, cap_cal, cap_exp, cal.hidden[b], cal.meta[b], cal_modules,
+                    plan, groups, cap_cal, cap_exp, exp_out, cal.hidden[b], cal.meta[b], cal_modules,
                     norms, num_blocks, linear_moments, norm_moments,
                 )
-        return groups, linear_moments, norm_moments
+        return groups, linear_moments, norm_moments, before
 
     def _group_linears(self, plan, captured, linear, num_blocks) -> List[_LinearGroup]:
         """Modules fed the very same tensor with the same token weighting share one set of moments."""
@@ -290,7 +299,8 @@ class FeatCalEngine:
         return groups
 
     def _accumulate(
-        self, plan, groups, cap_cal, cap_exp, hidden, meta, cal_modules, norms, num_blocks, linear_moments, norm_moments
+        self, plan, groups, cap_cal, cap_exp, exp_out, hidden, meta, cal_modules, norms, num_blocks,
+        linear_moments, norm_moments,
     ) -> None:
         """Add one batch's captured inputs to the task's moments."""
         adapter = self.adapter
@@ -305,8 +315,17 @@ class FeatCalEngine:
         for gi, group in enumerate(groups):
             first = group.names[0]
             if gi not in linear_moments:
-                linear_moments[gi] = LinearInputMoments(cap_cal[first].shape[-1], dtype, self.device)
-            linear_moments[gi].update(cap_cal[first], cap_exp[first], weights(group.profile))
+                dim = cap_cal[first].shape[-1]
+                out_dims = {n: cal_modules[n].out_features for n in group.names}
+                # E[x_exp x_cal^T] costs d^2 per token; the modules' own expert outputs give
+                # W_i E[x_exp x_cal^T] for sum(m) * d: cheaper when the group narrows (e.g. fc2).
+                projected = out_dims if sum(out_dims.values()) < dim else None
+                linear_moments[gi] = LinearInputMoments(dim, dtype, self.device, out_dims=projected)
+            moments = linear_moments[gi]
+            if moments.projected:
+                moments.update(cap_cal[first], None, weights(group.profile), {n: exp_out[n] for n in group.names})
+            else:
+                moments.update(cap_cal[first], cap_exp[first], weights(group.profile))
         for name in norms:
             module = cal_modules[name]
             if name not in norm_moments:
@@ -317,10 +336,12 @@ class FeatCalEngine:
     def _fold_task(self, plan, task, groups, lin, norms, exp_modules, sums: _BlockSums) -> None:
         """Finalise one task's moments (reduced across ranks), check them, add them to the block's sums."""
         hp = self.hparams
+        held = sum(m.nbytes() for m in itertools.chain(lin.values(), norms.values())) + sums.nbytes()
+        self.statistics_bytes = max(self.statistics_bytes, held)
         for gi, moments in lin.items():
             stats = moments.finalize(self.reduce)
             what = f"the input moments of {', '.join(plan.modules[n][0] for n in groups[gi].names)} (task {task})"
-            for tensor in (stats.gram, stats.cross, stats.mean_cal, stats.mean_exp):
+            for tensor in stats.tensors():
                 check_finite(tensor, what)
             sums.add_linear(gi, groups[gi], stats, exp_modules, hp, hp.calibrate_bias)
         for name, moments in norms.items():
@@ -426,11 +447,12 @@ class FeatCalEngine:
                     self._enter_block(model, index, upstream)
 
             sums, groups = _BlockSums(), None
+            before_meters: Dict[str, Any] = {}
             if plan.modules:
                 for task in tasks:
                     expert_block = expert_blocks[task][index]
                     with on_device([expert_block], self.device):
-                        groups, lin, norms = self._snapshot_task(
+                        groups, lin, norms, before_meters[task] = self._snapshot_task(
                             plan, block, expert_block, streams[task], num_blocks, groups
                         )
                         with self.timer("moments"):
@@ -460,8 +482,10 @@ class FeatCalEngine:
                 with self.timer("drift"):
                     masks = [adapter.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
                     drift[task] = {"after": stream_drift(cal.hidden, exp.hidden, masks, self.reduce)}
+                    if task in before_meters:
+                        drift[task]["before"] = before_meters[task].result(self.reduce)
                     if upstream is not None:
-                        drift[task]["before"] = stream_drift(upstream.hidden, exp.hidden, masks, self.reduce)
+                        drift[task]["upstream"] = stream_drift(upstream.hidden, exp.hidden, masks, self.reduce)
             entry = {
                 "block": index,
                 "modules": [full for full, _ in plan.modules.values()],
@@ -480,6 +504,7 @@ class FeatCalEngine:
             "num_blocks": num_blocks,
             "seconds": time.perf_counter() - started,
             "phase_seconds": dict(self.timer.seconds) if self.timer.enabled else None,
+            "statistics_bytes": self.statistics_bytes,
             "blocks": report_blocks,
         }
 
@@ -492,7 +517,7 @@ class FeatCalEngine:
                 for metric, value in values.items():
                     metrics[f"featcal/drift_{when}_{metric}/{task}"] = value
             before = drift.get("before", {}).get("l2", float("nan"))
-            summary.append(f"{task}: l2 {before:.4g} -> {drift['after']['l2']:.4g}")
+            summary.append(f"{task}: l2 {before:.4g} -> {drift['after']['l2']:.4g}")  # this block: uncalibrated -> calibrated
         log.info("FeatCal block %d (%.2fs): %s", index, entry["seconds"], "; ".join(summary))
         if self.log_fn is not None:
             self.log_fn(metrics, index)

@@ -9,7 +9,7 @@ weighted means are formed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,66 +36,133 @@ def check_finite(tensor: Tensor, what: str) -> None:
 
 @dataclass
 class LinearInputStats:
-    """Weighted means for one linear input group of one task (Eq. 13, 52)."""
+    """Weighted means for one linear input group of one task (Eq. 13, 52).
+
+    The expert side is kept in one of two forms: ``cross`` = E[x_exp x_cal^T] (d x d, shared by
+    the group's modules), or per module ``out_cross`` = E[y_exp x_cal^T] and ``out_mean`` = E[y_exp]
+    with y_exp = W_i x_exp + b_i the expert module's own output (m x d: cheaper when m < d).
+    """
 
     gram: Tensor  # G_i = E[x_cal x_cal^T]
-    cross: Tensor  # E[x_exp x_cal^T]
     mean_cal: Tensor  # mu_i^cal
-    mean_exp: Tensor  # E[x_exp]
+    cross: Optional[Tensor] = None
+    mean_exp: Optional[Tensor] = None
+    out_cross: Optional[Dict[str, Tensor]] = None
+    out_mean: Optional[Dict[str, Tensor]] = None
 
-    def target_cross(self, alpha: float) -> Tensor:
-        """C_i = E[x_tgt x_cal^T] with x_tgt = alpha x_exp + (1 - alpha) x_cal (Eq. 10, 13)."""
-        return alpha * self.cross + (1.0 - alpha) * self.gram
+    def tensors(self) -> List[Tensor]:
+        out = [self.gram, self.mean_cal]
+        out += [t for t in (self.cross, self.mean_exp) if t is not None]
+        for store in (self.out_cross, self.out_mean):
+            out += list((store or {}).values())
+        return out
 
-    def target_mean(self, alpha: float) -> Tensor:
-        return alpha * self.mean_exp + (1.0 - alpha) * self.mean_cal
+    def expert_cross(self, name: str, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """W_i E[x_exp x_cal^T]."""
+        if self.cross is not None:
+            return weight @ self.cross
+        cross = self.out_cross[name]
+        return cross if bias is None else cross - torch.outer(bias, self.mean_cal)
+
+    def expert_mean(self, name: str, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """W_i E[x_exp]."""
+        if self.cross is not None:
+            return weight @ self.mean_exp
+        mean = self.out_mean[name]
+        return mean if bias is None else mean - bias
+
+    def target(self, name: str, weight: Tensor, bias: Optional[Tensor], alpha: float) -> Tensor:
+        """W_i C_i with C_i = E[x_tgt x_cal^T], x_tgt = alpha x_exp + (1 - alpha) x_cal (Eq. 10, 13)."""
+        return alpha * self.expert_cross(name, weight, bias) + (1.0 - alpha) * (weight @ self.gram)
+
+    def bias_target(self, name: str, weight: Tensor, bias: Tensor, alpha: float) -> Tensor:
+        """b_i + W_i mu_i^tgt (Eq. 53)."""
+        return bias + alpha * self.expert_mean(name, weight, bias) + (1.0 - alpha) * (weight @ self.mean_cal)
+
+
+def _chunks(dim: int, size: int) -> List[slice]:
+    return [slice(i, min(i + size, dim)) for i in range(0, dim, size)]
 
 
 class LinearInputMoments:
-    """Sums of w, w x_cal, w x_exp, w x_cal x_cal^T and w x_exp x_cal^T over tokens."""
+    """Streaming sums for one input group: w, w x_cal, w x_cal x_cal^T, and the expert side.
 
-    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device):
+    The Gram matrix is symmetric: only its upper blocks are accumulated (in chunks of
+    ``gram_chunk`` columns) and the lower ones are filled in at the end. ``out_dims`` switches the
+    expert side to the projected form (see LinearInputStats) for modules of those output sizes.
+    """
+
+    def __init__(
+        self, dim: int, dtype: torch.dtype, device: torch.device,
+        out_dims: Optional[Dict[str, int]] = None, gram_chunk: int = 768,
+    ):
         self.dtype = dtype
-        self.weight_sum = torch.zeros((), dtype=dtype, device=device)
-        self.sum_cal = torch.zeros(dim, dtype=dtype, device=device)
-        self.sum_exp = torch.zeros(dim, dtype=dtype, device=device)
-        # Rows [0, d) hold sum w x_cal x_cal^T, rows [d, 2d) sum w x_exp x_cal^T:
-        # both come out of one matmul against the weighted calibrated inputs.
-        self.second = torch.zeros(2 * dim, dim, dtype=dtype, device=device)
-
-    def update(self, x_cal: Tensor, x_exp: Tensor, weights: Optional[Tensor]) -> None:
-        if x_cal.shape != x_exp.shape:
-            raise ValueError(
-                f"calibrated and expert inputs differ in shape: {tuple(x_cal.shape)} vs {tuple(x_exp.shape)}"
-            )
-        xc = _flatten_tokens(x_cal, self.dtype)
-        xe = _flatten_tokens(x_exp, self.dtype)
-        if weights is None:
-            weighted = xc
-            self.weight_sum += xc.shape[0]
-            self.sum_exp += xe.sum(0)
+        self.dim = dim
+        self.blocks = _chunks(dim, gram_chunk)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.weight_sum = zeros(())
+        self.sum_cal = zeros(dim)
+        self.gram = zeros(dim, dim)
+        self.projected = out_dims is not None
+        if self.projected:
+            self.out_sum = {n: zeros(m) for n, m in out_dims.items()}
+            self.out_cross = {n: zeros(m, dim) for n, m in out_dims.items()}
         else:
-            w = weights.reshape(-1).to(self.dtype)
-            weighted = xc * w[:, None]
-            self.weight_sum += w.sum()
-            self.sum_exp += w @ xe
+            self.sum_exp = zeros(dim)
+            self.cross = zeros(dim, dim)
+
+    def _sums(self) -> List[Tensor]:
+        if self.projected:
+            return [self.weight_sum, self.sum_cal, self.gram, *self.out_sum.values(), *self.out_cross.values()]
+        return [self.weight_sum, self.sum_cal, self.gram, self.sum_exp, self.cross]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._sums())
+
+    def update(self, x_cal: Tensor, x_exp: Optional[Tensor], weights: Optional[Tensor],
+               y_exp: Optional[Dict[str, Tensor]] = None) -> None:
+        """Add one batch: calibrated inputs, expert inputs (cross form) or expert outputs (projected form)."""
+        xc = _flatten_tokens(x_cal, self.dtype)
+        w = None if weights is None else weights.reshape(-1).to(self.dtype)
+        weighted = xc if w is None else xc * w[:, None]
+        self.weight_sum += xc.shape[0] if w is None else w.sum()
         self.sum_cal += weighted.sum(0)
-        self.second.addmm_(torch.cat([xc, xe], dim=1).T, weighted)
+        for i, rows in enumerate(self.blocks):
+            for cols in self.blocks[i:]:
+                self.gram[rows, cols].addmm_(xc[:, rows].T, weighted[:, cols])
+        if self.projected:
+            for name, y in y_exp.items():
+                ye = _flatten_tokens(y, self.dtype)
+                self.out_sum[name] += ye.sum(0) if w is None else w @ ye
+                self.out_cross[name].addmm_(ye.T, weighted)
+        else:
+            if x_cal.shape != x_exp.shape:
+                raise ValueError(
+                    f"calibrated and expert inputs differ in shape: {tuple(x_cal.shape)} vs {tuple(x_exp.shape)}"
+                )
+            xe = _flatten_tokens(x_exp, self.dtype)
+            self.sum_exp += xe.sum(0) if w is None else w @ xe
+            self.cross.addmm_(xe.T, weighted)
 
     def finalize(self, reduce: Optional[Reduce] = None) -> LinearInputStats:
-        sums = [self.weight_sum, self.sum_cal, self.sum_exp, self.second]
+        sums = self._sums()
         if reduce is not None:
             sums = [reduce(s) for s in sums]
-        weight_sum, sum_cal, sum_exp, second = sums
+        weight_sum, sum_cal, gram = sums[:3]
         if float(weight_sum) <= 0:
             raise ValueError("no calibration token carried a positive weight")
-        dim = sum_cal.shape[0]
-        return LinearInputStats(
-            gram=second[:dim] / weight_sum,
-            cross=second[dim:] / weight_sum,
-            mean_cal=sum_cal / weight_sum,
-            mean_exp=sum_exp / weight_sum,
-        )
+        gram = torch.triu(gram) + torch.triu(gram, diagonal=1).T
+        # Blocks below the diagonal were never written: the line above mirrors the upper triangle.
+        stats = LinearInputStats(gram=gram / weight_sum, mean_cal=sum_cal / weight_sum)
+        if self.projected:
+            k = len(self.out_sum)
+            names = list(self.out_sum)
+            stats.out_mean = {n: t / weight_sum for n, t in zip(names, sums[3 : 3 + k])}
+            stats.out_cross = {n: t / weight_sum for n, t in zip(names, sums[3 + k :])}
+        else:
+            stats.mean_exp = sums[3] / weight_sum
+            stats.cross = sums[4] / weight_sum
+        return stats
 
 
 @dataclass
@@ -127,6 +194,9 @@ class NormInputMoments:
             self.weight_sum += w.sum()
             self.sum_z += w @ z
             self.sum_zz += w @ (z * z)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.weight_sum, self.sum_z, self.sum_zz))
 
     def finalize(self, reduce: Optional[Reduce] = None) -> NormInputStats:
         sums = [self.weight_sum, self.sum_z, self.sum_zz]

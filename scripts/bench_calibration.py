@@ -105,7 +105,7 @@ def run_featcal(args, config, base, merged, experts, images, device):
 
     hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size)
     engine = FeatCalEngine(
-        CLIPVisionAdapter(), hp, device, track_upstream=not args.no_upstream_drift, progress=False,
+        CLIPVisionAdapter(), hp, device, track_upstream=args.track_upstream_drift, progress=False,
         profile=args.profile,
     )
     task_batches = {t: iter(batches(images[t], args.batch_size)) for t in experts}
@@ -113,7 +113,10 @@ def run_featcal(args, config, base, merged, experts, images, device):
     started = time.perf_counter()
     report = engine.run(merged, base, experts, task_batches)
     sync(device)
-    return time.perf_counter() - started, {"phase_seconds": report["phase_seconds"]}
+    return time.perf_counter() - started, {
+        "phase_seconds": report["phase_seconds"],
+        "statistics_bytes": report["statistics_bytes"],
+    }
 
 
 def run_surgery(args, config, base, merged, experts, images, device, cls):
@@ -182,7 +185,10 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--surgery-steps", type=int, default=1000, help="iterations timed for Surgery/ProbSurgery")
-    parser.add_argument("--no-upstream-drift", action="store_true", help="FeatCal without the drift-before trajectory")
+    parser.add_argument(
+        "--track-upstream-drift", action="store_true",
+        help="FeatCal also advances the upstream model's trajectory (method option track_upstream_drift)",
+    )
     parser.add_argument("--profile", action="store_true", help="FeatCal per-phase seconds")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -215,6 +221,8 @@ def main():
             + (f"  peak device {result['peak_device_bytes'] / 2**30:6.2f} GiB" if result["peak_device_bytes"] else "")
             + (f"  ({result['steps']} steps, {result['extrapolated_seconds_1000_steps']:.1f} s per 1000)" if "steps" in result else "")
         )
+        if result.get("statistics_bytes"):
+            print(f"  statistics (one task's moments + a block's sums): {result['statistics_bytes'] / 2**20:.1f} MiB")
         if result.get("phase_seconds"):
             print("  " + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(result["phase_seconds"].items(), key=lambda kv: -kv[1])))
     summary = {

@@ -12,4 +12,5 @@ fi
 # strict editable mode: Hydra finds our search-path plugin (a namespace package) only this way.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt \
   -e '.[test]' --config-settings editable_mode=strict 2>&1 | { grep -v "^WARNING: Location" || true; }
+bash scripts/install_world_data.sh
 "$VENV/bin/python" -c "import featcal_fusionbench, fusion_bench, torch; print('featcal-fusionbench', featcal_fusionbench.__version__, '| torch', torch.__version__)"

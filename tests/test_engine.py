@@ -21,9 +21,11 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 NORMS = ["layer_norm1", "layer_norm2"]
 
 
-def calibrate(merged, base, experts, data, adapter=None, **overrides):
+def calibrate(merged, base, experts, data, adapter=None, track_upstream=False, **overrides):
     hp = FeatCalHParams(num_calibration_examples=12, batch_size=4, **overrides)
-    engine = FeatCalEngine(adapter or CLIPVisionAdapter.from_hparams(hp), hp, "cpu", progress=False)
+    engine = FeatCalEngine(
+        adapter or CLIPVisionAdapter.from_hparams(hp), hp, "cpu", progress=False, track_upstream=track_upstream
+    )
     report = engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})
     return merged, report
 
@@ -99,9 +101,11 @@ def test_calibration_reduces_drift_and_keeps_experts_and_base_untouched():
     before = {t: copy.deepcopy(e.state_dict()) for t, e in experts.items()}
     base_before = copy.deepcopy(base.state_dict())
     _, report = calibrate(merged, base, experts, data)
-    last = report["blocks"][-1]["drift"]
-    for task, drift in last.items():
-        assert drift["after"]["l2"] < drift["before"]["l2"], task
+    for block_report in report["blocks"]:
+        for task, drift in block_report["drift"].items():
+            # the block's own effect: uncalibrated -> calibrated on the same calibrated prefix
+            assert drift["after"]["l2"] < drift["before"]["l2"], (block_report["block"], task)
+            assert "upstream" not in drift
     for t, e in experts.items():
         for k, v in e.state_dict().items():
             assert torch.equal(v, before[t][k]), (t, k)
@@ -150,3 +154,27 @@ def test_last_block_patch_weight_changes_q_but_not_k_v():
     assert not torch.allclose(last_u.q_proj.weight, last_d.q_proj.weight)
     # earlier blocks never see the weighting
     torch.testing.assert_close(block(uniform, 1).mlp.fc1.weight, block(demo, 1).mlp.fc1.weight)
+
+
+def test_statistics_memory_does_not_grow_with_the_number_of_examples():
+    sizes = []
+    for batches in (1, 4):
+        base, experts, merged, data = tiny_world(batches=batches)
+        hp = FeatCalHParams(num_calibration_examples=4 * batches, batch_size=4)
+        engine = FeatCalEngine(CLIPVisionAdapter(), hp, "cpu", progress=False)
+        sizes.append(engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})["statistics_bytes"])
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_upstream_trajectory_drift_is_reported_when_tracked_and_calibration_reduces_it():
+    base, experts, merged, data = tiny_world()
+    original = copy.deepcopy(merged)
+    _, report = calibrate(merged, base, experts, data, track_upstream=True)
+    last = report["blocks"][-1]["drift"]
+    for task, drift in last.items():
+        assert drift["after"]["l2"] < drift["upstream"]["l2"], task
+    # the upstream trajectory is the merged model's own: compare with HF's forward of the original model
+    hidden = original(pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
+    expert_hidden = experts["task0"](pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
+    expected = (hidden - expert_hidden).norm(dim=-1).mean()
+    assert abs(last["task0"]["upstream"]["l2"] - float(expected)) < 1e-4 * float(expected)

@@ -63,7 +63,7 @@ def lstsq(blocks):
 def solve_weight_via_moments(p, stats):
     omegas = [task_weight(s.gram, EPS) for s in stats]
     gram = sum(o * s.gram for o, s in zip(omegas, stats))
-    target = sum(o * w @ s.target_cross(ALPHA) for o, w, s in zip(omegas, p["w_exp"], stats))
+    target = sum(o * s.target("m", w, None, ALPHA) for o, w, s in zip(omegas, p["w_exp"], stats))
     w_anc = anchor(p["w_mer"], p["w_base"], RHO)
     return solve_linear_weight(gram, target, w_anc, LAM, EPS).solution, omegas
 
@@ -108,7 +108,7 @@ def test_bias_equals_least_squares_minimiser_of_eq53_on_raw_samples(problem):
     b_anc = anchor(p["b_mer"], p["b_base"], RHO)
     bias = solve_bias(
         sum(omegas),
-        sum(o * (bi + wi @ s.target_mean(ALPHA)) for o, bi, wi, s in zip(omegas, p["b_exp"], p["w_exp"], stats)),
+        sum(o * s.bias_target("m", wi, bi, ALPHA) for o, bi, wi, s in zip(omegas, p["b_exp"], p["w_exp"], stats)),
         sum(o * s.mean_cal for o, s in zip(omegas, stats)),
         w_star,
         b_anc,
@@ -169,7 +169,7 @@ def test_huge_lambda_returns_the_anchor(problem):
     stats = moments_of(p)
     omegas = [task_weight(s.gram, EPS) for s in stats]
     gram = sum(o * s.gram for o, s in zip(omegas, stats))
-    target = sum(o * w @ s.target_cross(ALPHA) for o, w, s in zip(omegas, p["w_exp"], stats))
+    target = sum(o * s.target("m", w, None, ALPHA) for o, w, s in zip(omegas, p["w_exp"], stats))
     w_anc = anchor(p["w_mer"], p["w_base"], RHO)
     w_star = solve_linear_weight(gram, target, w_anc, 1e12, EPS).solution
     torch.testing.assert_close(w_star, w_anc, rtol=1e-9, atol=1e-9)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict
 
+from .clip_world import CLIP8, build_clip_world
 from .toy_clip import ToyCLIPSpec, build_toy_clip_world
 
 ENV_DIR = "FEATCAL_WORLDS_DIR"
@@ -34,6 +35,13 @@ WORLDS: Dict[str, World] = {
         build=lambda root: build_toy_clip_world(root, TOY_SPEC),
         modelpool="CLIPVisionModelPool/toy",
         taskpool="CLIPVisionModelTaskPool/toy",
+    ),
+    "clip": World(
+        name="clip",
+        description="8 real packaged image tasks, contrastively pretrained tiny CLIP, small-step experts (work in progress)",
+        build=lambda root: build_clip_world(root, CLIP8),
+        modelpool="CLIPVisionModelPool/offline_clip",
+        taskpool="CLIPVisionModelTaskPool/offline_clip",
     ),
 }
 

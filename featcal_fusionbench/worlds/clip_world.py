@@ -1,0 +1,334 @@
+"""The offline CLIP world: real packaged data, a contrastively pretrained tiny CLIP, small-step experts.
+
+Build steps (each seeded):
+  1. tasks from packaged real data (``sources``), saved with ``save_to_disk``;
+  2. a tiny CLIP (vision and text towers, the real CLIP BPE tokenizer) pretrained with a
+     symmetric contrastive loss on captioned images from the tasks' train splits only
+     (never a test image), for a limited budget so that zero-shot accuracy stays below the experts;
+  3. one expert per task: the vision tower fine-tuned against frozen zero-shot heads from the
+     base text tower (FusionBench's protocol), with a small learning rate;
+  4. FusionBench pool and task-pool configs, and the world's regime figures (none involves FeatCal).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from PIL import Image
+from tqdm.auto import tqdm
+
+from . import sources
+from .clip_tokenizer import clip_tokenizer
+
+TEMPLATES = ["a photo of a {}.", "an image of a {}.", "a picture of the {}.", "a small {}.", "{}"]
+
+
+@dataclass
+class TaskSpec:
+    name: str
+    source: str  # a key of TASK_LOADERS
+    train_per_class: int = 300
+    test_per_class: int = 60
+
+
+@dataclass
+class CLIPWorldSpec:
+    name: str = "clip"
+    tasks: List[TaskSpec] = field(default_factory=list)
+    image_size: int = 32
+    patch_size: int = 4
+    width: int = 128
+    layers: int = 4
+    heads: int = 4
+    text_width: int = 128
+    text_layers: int = 2
+    projection_dim: int = 128
+    pretrain_fraction: float = 0.5  # share of each task's train images (with captions) in the pretraining mix
+    pretrain_steps: int = 1500
+    pretrain_batch: int = 128
+    pretrain_lr: float = 1e-3
+    finetune_steps: int = 300
+    finetune_batch: int = 32
+    finetune_lr: float = 1e-4
+    seed: int = 0
+
+    @property
+    def task_names(self) -> List[str]:
+        return [t.name for t in self.tasks]
+
+
+def _clipart(categories):
+    return lambda size, tr, te, seed: sources.clipart(categories, size, tr, te, seed)
+
+
+def _glyphs(name, chars, classnames, fg, bg):
+    def load(size, train_per_class, test_per_class, seed):
+        # ~ train_per_class renders per letter come from renders_per_font x training fonts
+        fonts = len(sources.usable_fonts(chars, sources.installed_fonts()))
+        per_font = max(1, math.ceil(train_per_class / max(1, int(0.75 * fonts))))
+        return sources.glyphs(name, chars, classnames, size, per_font, seed, fg=fg, bg=bg)
+
+    return load
+
+
+TASK_LOADERS: Dict[str, Callable] = {
+    "fashion_mnist": sources.fashion_mnist,
+    "mnist": sources.mnist_5k,
+    "optical_digits": sources.optical_digits,
+    "textile": sources.textile,
+    "latin": _glyphs("latin", sources.LATIN_CAPITALS, [f"letter {c}" for c in sources.LATIN_CAPITALS], (0, 0, 0), (255, 255, 255)),
+    "greek": _glyphs("greek", sources.GREEK_CAPITALS, [f"greek letter {n}" for n in sources.GREEK_NAMES], (255, 255, 255), (20, 40, 120)),
+    "clipart_living": _clipart(["animals", "food", "people", "plants"]),
+    "clipart_objects": _clipart(["transportation", "tools", "office", "buildings"]),
+}
+
+CLIP8 = CLIPWorldSpec(
+    name="clip",
+    tasks=[
+        TaskSpec("fashion_mnist", "fashion_mnist", 300, 60),
+        TaskSpec("mnist", "mnist", 300, 60),
+        TaskSpec("optical_digits", "optical_digits", 120, 50),
+        TaskSpec("textile", "textile", 300, 150),
+        TaskSpec("latin", "latin", 0, 0),
+        TaskSpec("greek", "greek", 0, 0),
+        TaskSpec("clipart_living", "clipart_living", 50, 20),
+        TaskSpec("clipart_objects", "clipart_objects", 50, 20),
+    ],
+)
+
+
+def _clip_config(spec: CLIPWorldSpec):
+    from transformers import CLIPConfig
+
+    vision = dict(
+        hidden_size=spec.width, intermediate_size=4 * spec.width, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, image_size=spec.image_size, patch_size=spec.patch_size,
+        projection_dim=spec.projection_dim,
+    )
+    text = dict(
+        hidden_size=spec.text_width, intermediate_size=4 * spec.text_width, num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.heads, max_position_embeddings=32, projection_dim=spec.projection_dim,
+    )
+    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=spec.projection_dim)
+
+
+def _pixels(processor, images: np.ndarray) -> torch.Tensor:
+    out = []
+    for start in range(0, len(images), 512):
+        batch = [Image.fromarray(x) for x in images[start : start + 512]]
+        out.append(processor(images=batch, return_tensors="pt")["pixel_values"])
+    return torch.cat(out)
+
+
+def _text_features(model, tokenizer, texts: List[str]) -> torch.Tensor:
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    return F.normalize(model.get_text_features(**tokens), dim=-1)
+
+
+def zero_shot_head(model, tokenizer, classnames: List[str]) -> torch.Tensor:
+    """FusionBench's zero-shot head: per class, the normalised mean of normalised template embeddings."""
+    with torch.no_grad():
+        rows = [F.normalize(_text_features(model, tokenizer, [t.format(c) for t in TEMPLATES]).mean(0), dim=0) for c in classnames]
+    return torch.stack(rows)
+
+
+def image_features(model, vision_model, pixels: torch.Tensor, batch: int = 256) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([
+            F.normalize(model.visual_projection(vision_model(pixel_values=pixels[i : i + batch]).pooler_output), dim=-1)
+            for i in range(0, len(pixels), batch)
+        ])
+
+
+def accuracy(model, vision_model, head, pixels, labels) -> float:
+    logits = image_features(model, vision_model, pixels) @ head.T
+    return float((logits.argmax(-1) == labels).float().mean())
+
+
+def pretrain(model, tokenizer, pixels, captions, class_ids, spec: CLIPWorldSpec, generator) -> List[float]:
+    """Symmetric InfoNCE over (image, caption) pairs, AdamW with one-cycle decay."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, spec.pretrain_lr, total_steps=spec.pretrain_steps, pct_start=0.1)
+    tokens = tokenizer(captions, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    model.train()
+    losses = []
+    for _ in tqdm(range(spec.pretrain_steps), desc="pretraining the tiny CLIP"):
+        idx = torch.randint(len(captions), (spec.pretrain_batch,), generator=generator)
+        out = model(
+            input_ids=tokens["input_ids"][idx], attention_mask=tokens["attention_mask"][idx], pixel_values=pixels[idx]
+        )
+        # Pairs of the same class are not negatives of each other, whatever their templates.
+        same = class_ids[idx][:, None] == class_ids[idx][None, :]
+        logits = out.logits_per_image.masked_fill(same & ~torch.eye(len(idx), dtype=torch.bool), float("-inf"))
+        target = torch.arange(len(idx))
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def finetune_expert(clip_model, vision_model, head, pixels, labels, spec: CLIPWorldSpec, generator) -> None:
+    """Vision tower only, against the frozen zero-shot head, small learning rate (task-vector regime)."""
+    optimizer = torch.optim.AdamW(vision_model.parameters(), lr=spec.finetune_lr, weight_decay=0.0)
+    scale = clip_model.logit_scale.exp().detach()
+    vision_model.train()
+    for _ in range(spec.finetune_steps):
+        idx = torch.randint(len(labels), (spec.finetune_batch,), generator=generator)
+        feats = clip_model.visual_projection(vision_model(pixel_values=pixels[idx]).pooler_output)
+        loss = F.cross_entropy(scale * F.normalize(feats, dim=-1) @ head.T, labels[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    vision_model.eval()
+
+
+def linear_probe_task_accuracy(features_by_task: Dict[str, torch.Tensor], seed: int) -> float:
+    """How well a linear probe on base features tells which task an image comes from (held-out half)."""
+    from sklearn.linear_model import LogisticRegression
+
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    for label, feats in enumerate(features_by_task.values()):
+        xs.append(feats.numpy())
+        ys.append(np.full(len(feats), label))
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    order = rng.permutation(len(y))
+    half = len(y) // 2
+    train, test = order[:half], order[half:]
+    probe = LogisticRegression(max_iter=2000).fit(x[train], y[train])
+    return float(probe.score(x[test], y[test]))
+
+
+def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
+    """Build the world under ``root``; return the config paths. Writes world.json with the regime figures."""
+    from datasets import ClassLabel, Dataset, Features, Image as ImageFeature
+    from datasets.utils.logging import disable_progress_bar
+    from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPVisionModel
+
+    root = Path(root).resolve()
+    disable_progress_bar()
+    started = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    generator = torch.Generator().manual_seed(spec.seed)
+
+    tasks: Dict[str, sources.ImageTask] = {}
+    for i, t in enumerate(tqdm(spec.tasks, desc="loading packaged data")):
+        tasks[t.name] = TASK_LOADERS[t.source](spec.image_size, t.train_per_class, t.test_per_class, spec.seed + i)
+
+    size = spec.image_size
+    processor = CLIPProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+        tokenizer=clip_tokenizer(root / "tokenizer"),
+    )
+    tokenizer = processor.tokenizer
+    data_paths: Dict[str, Dict[str, str]] = {}
+    pixels: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, task in tasks.items():
+        features = Features({"image": ImageFeature(), "label": ClassLabel(names=task.classnames)})
+        data_paths[name], pixels[name] = {}, {}
+        for split in ("train", "test"):
+            images, labels = getattr(task, f"{split}_images"), getattr(task, f"{split}_labels")
+            path = root / "data" / name / split
+            Dataset.from_dict({"image": [Image.fromarray(x) for x in images], "label": labels.tolist()}, features=features).save_to_disk(str(path))
+            data_paths[name][split] = str(path)
+            pixels[name][split] = _pixels(processor, images)
+
+    # Pretraining mix: a share of every task's train images with captions; never a test image.
+    mix_pixels, captions, class_ids = [], [], []
+    for t_index, (name, task) in enumerate(tasks.items()):
+        n = len(task.train_labels)
+        keep = np.random.default_rng(spec.seed).permutation(n)[: int(spec.pretrain_fraction * n)]
+        mix_pixels.append(pixels[name]["train"][keep])
+        rng = np.random.default_rng(spec.seed + 1)
+        captions += [TEMPLATES[rng.integers(len(TEMPLATES))].format(task.classnames[task.train_labels[k]]) for k in keep]
+        class_ids += [1000 * t_index + int(task.train_labels[k]) for k in keep]
+    clip_model = CLIPModel(_clip_config(spec))
+    losses = pretrain(clip_model, tokenizer, torch.cat(mix_pixels), captions, torch.tensor(class_ids), spec, generator)
+    pretrained_dir = root / "pretrained"
+    clip_model.save_pretrained(pretrained_dir)
+    processor.save_pretrained(pretrained_dir)
+
+    heads = {name: zero_shot_head(clip_model, tokenizer, task.classnames) for name, task in tasks.items()}
+    labels = {name: {s: torch.as_tensor(getattr(t, f"{s}_labels")) for s in ("train", "test")} for name, t in tasks.items()}
+    figures = {"pretrain_loss_first_last": [losses[0], float(np.mean(losses[-50:]))], "zero_shot": {}, "expert": {}}
+    base_vision = CLIPVisionModel.from_pretrained(pretrained_dir).vision_model
+    for name in tasks:
+        figures["zero_shot"][name] = accuracy(clip_model, base_vision, heads[name], pixels[name]["test"], labels[name]["test"])
+
+    expert_dirs, deltas, expert_states = {}, {}, {}
+    base_state = {k: v.clone() for k, v in CLIPVisionModel.from_pretrained(pretrained_dir).state_dict().items()}
+    for name in tqdm(tasks, desc="fine-tuning experts"):
+        expert = CLIPVisionModel.from_pretrained(pretrained_dir)
+        finetune_expert(clip_model, expert.vision_model, heads[name], pixels[name]["train"], labels[name]["train"], spec, generator)
+        figures["expert"][name] = accuracy(clip_model, expert.vision_model, heads[name], pixels[name]["test"], labels[name]["test"])
+        expert_states[name] = {k: v.detach().clone() for k, v in expert.state_dict().items()}
+        deltas[name] = torch.cat([(v - base_state[k]).flatten() for k, v in expert_states[name].items()])
+        expert_dirs[name] = str(root / "experts" / name)
+        expert.save_pretrained(expert_dirs[name])
+
+    # Task Arithmetic (0.3) as the regime check; FeatCal is never part of choosing the world.
+    merged = CLIPVisionModel.from_pretrained(pretrained_dir)
+    merged.load_state_dict({k: v + 0.3 * sum(e[k] - v for e in expert_states.values()) for k, v in base_state.items()})
+    figures["task_arithmetic"] = {
+        name: accuracy(clip_model, merged.vision_model, heads[name], pixels[name]["test"], labels[name]["test"]) for name in tasks
+    }
+    base_norm = float(torch.cat([v.flatten() for v in base_state.values()]).norm())
+    figures["relative_task_vector_norm"] = {n: float(d.norm()) / base_norm for n, d in deltas.items()}
+    figures["task_vector_cosine_mean"] = float(np.mean([
+        float(F.cosine_similarity(deltas[a], deltas[b], dim=0)) for i, a in enumerate(tasks) for b in list(tasks)[i + 1 :]
+    ]))
+    figures["linear_probe_task_identification"] = linear_probe_task_accuracy(
+        {n: image_features(clip_model, base_vision, pixels[n]["test"]) for n in tasks}, spec.seed
+    )
+    for key in ("zero_shot", "expert", "task_arithmetic"):
+        figures[f"{key}_average"] = float(np.mean(list(figures[key].values())))
+    figures["build_seconds"] = time.perf_counter() - started
+
+    def entry(task, split):
+        return {"_target_": "datasets.load_from_disk", "dataset_path": data_paths[task][split]}
+
+    names = list(tasks)
+    pool = {
+        "_target_": "fusion_bench.modelpool.CLIPVisionModelPool", "_recursive_": False,
+        "processor": str(pretrained_dir),
+        "models": {"_pretrained_": str(pretrained_dir), **expert_dirs},
+        "train_datasets": {t: entry(t, "train") for t in names},
+        "test_datasets": {t: entry(t, "test") for t in names},
+    }
+    taskpool = {
+        "_target_": "featcal_fusionbench.taskpool.LocalCLIPVisionModelTaskPool", "_recursive_": False,
+        "test_datasets": {t: entry(t, "test") for t in names},
+        "processor": str(pretrained_dir), "clip_model": str(pretrained_dir),
+        "dataloader_kwargs": {"batch_size": 128, "num_workers": 0, "shuffle": False},
+        "classnames": {n: t.classnames for n, t in tasks.items()},
+        "templates": TEMPLATES,
+    }
+    config_root = root / "config"
+    paths = {
+        "modelpool": config_root / "modelpool" / "CLIPVisionModelPool" / f"offline_{spec.name}.yaml",
+        "taskpool": config_root / "taskpool" / "CLIPVisionModelTaskPool" / f"offline_{spec.name}.yaml",
+    }
+    for key, content in (("modelpool", pool), ("taskpool", taskpool)):
+        paths[key].parent.mkdir(parents=True, exist_ok=True)
+        paths[key].write_text(yaml.safe_dump(content, sort_keys=False))
+    spec_dict = asdict(spec)
+    (root / "world.json").write_text(json.dumps({
+        "spec": spec_dict, "figures": figures,
+        "sources": {n: t.source for n, t in tasks.items()},
+        "counts": {n: t.counts() for n, t in tasks.items()},
+        "classnames": {n: t.classnames for n, t in tasks.items()},
+    }, indent=2))
+    return {"config_dir": str(config_root), **{k: str(v) for k, v in paths.items()}}
