@@ -57,20 +57,8 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     ):
         super().__init__(**kwargs)
         # Validates every hyperparameter now, before any model or data is loaded.
-        self.featcal_hparams = FeatCalHParams(
-            lambda_=lambda_,
-            rho=rho,
-            alpha=alpha,
-            eps=eps,
-            num_calibration_examples=num_calibration_examples,
-            batch_size=batch_size,
-            seed=seed,
-            calibrate_bias=calibrate_bias,
-            calibrate_layernorm=calibrate_layernorm,
-            module_regex=module_regex,
-            last_block_patch_token_weight=last_block_patch_token_weight,
-            accumulation_dtype=accumulation_dtype,
-        )
+        arguments = locals()
+        self.featcal_hparams = FeatCalHParams(**{k: arguments[k] for k in FeatCalHParams.__dataclass_fields__})
 
     def run(self, modelpool: BaseModelPool):
         if not isinstance(modelpool, BaseModelPool):

@@ -174,7 +174,8 @@ def test_upstream_trajectory_drift_is_reported_when_tracked_and_calibration_redu
     for task, drift in last.items():
         assert drift["after"]["l2"] < drift["upstream"]["l2"], task
     # the upstream trajectory is the merged model's own: compare with HF's forward of the original model
-    hidden = original(pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
-    expert_hidden = experts["task0"](pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
+    with torch.no_grad():
+        hidden = original(pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
+        expert_hidden = experts["task0"](pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
     expected = (hidden - expert_hidden).norm(dim=-1).mean()
     assert abs(last["task0"]["upstream"]["l2"] - float(expected)) < 1e-4 * float(expected)

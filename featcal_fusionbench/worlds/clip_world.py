@@ -22,11 +22,11 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 from PIL import Image
 from tqdm.auto import tqdm
 
 from . import sources
+from .clip_common import finetune_vision_tower, write_fusion_bench_configs, zero_shot_head
 from .clip_tokenizer import clip_tokenizer
 
 TEMPLATES = ["a photo of a {}.", "an image of a {}.", "a picture of the {}.", "a small {}.", "{}"]
@@ -129,18 +129,6 @@ def _pixels(processor, images: np.ndarray) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _text_features(model, tokenizer, texts: List[str]) -> torch.Tensor:
-    tokens = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
-    return F.normalize(model.get_text_features(**tokens), dim=-1)
-
-
-def zero_shot_head(model, tokenizer, classnames: List[str]) -> torch.Tensor:
-    """FusionBench's zero-shot head: per class, the normalised mean of normalised template embeddings."""
-    with torch.no_grad():
-        rows = [F.normalize(_text_features(model, tokenizer, [t.format(c) for t in TEMPLATES]).mean(0), dim=0) for c in classnames]
-    return torch.stack(rows)
-
-
 def image_features(model, vision_model, pixels: torch.Tensor, batch: int = 256) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([
@@ -178,21 +166,6 @@ def pretrain(model, tokenizer, pixels, captions, class_ids, spec: CLIPWorldSpec,
         losses.append(loss.item())
     model.eval()
     return losses
-
-
-def finetune_expert(clip_model, vision_model, head, pixels, labels, spec: CLIPWorldSpec, generator) -> None:
-    """Vision tower only, against the frozen zero-shot head, small learning rate (task-vector regime)."""
-    optimizer = torch.optim.AdamW(vision_model.parameters(), lr=spec.finetune_lr, weight_decay=0.0)
-    scale = clip_model.logit_scale.exp().detach()
-    vision_model.train()
-    for _ in range(spec.finetune_steps):
-        idx = torch.randint(len(labels), (spec.finetune_batch,), generator=generator)
-        feats = clip_model.visual_projection(vision_model(pixel_values=pixels[idx]).pooler_output)
-        loss = F.cross_entropy(scale * F.normalize(feats, dim=-1) @ head.T, labels[idx])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    vision_model.eval()
 
 
 def linear_probe_task_accuracy(features_by_task: Dict[str, torch.Tensor], seed: int) -> float:
@@ -261,7 +234,7 @@ def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
     clip_model.save_pretrained(pretrained_dir)
     processor.save_pretrained(pretrained_dir)
 
-    heads = {name: zero_shot_head(clip_model, tokenizer, task.classnames) for name, task in tasks.items()}
+    heads = {name: zero_shot_head(clip_model, tokenizer, task.classnames, TEMPLATES) for name, task in tasks.items()}
     labels = {name: {s: torch.as_tensor(getattr(t, f"{s}_labels")) for s in ("train", "test")} for name, t in tasks.items()}
     figures = {"pretrain_loss_first_last": [losses[0], float(np.mean(losses[-50:]))], "zero_shot": {}, "expert": {}}
     base_vision = CLIPVisionModel.from_pretrained(pretrained_dir).vision_model
@@ -272,7 +245,11 @@ def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
     base_state = {k: v.clone() for k, v in CLIPVisionModel.from_pretrained(pretrained_dir).state_dict().items()}
     for name in tqdm(tasks, desc="fine-tuning experts"):
         expert = CLIPVisionModel.from_pretrained(pretrained_dir)
-        finetune_expert(clip_model, expert.vision_model, heads[name], pixels[name]["train"], labels[name]["train"], spec, generator)
+        # Small learning rate: experts stay close to the base, the task-vector regime.
+        finetune_vision_tower(
+            clip_model, expert.vision_model, heads[name], pixels[name]["train"], labels[name]["train"],
+            spec.finetune_steps, spec.finetune_batch, spec.finetune_lr, generator,
+        )
         figures["expert"][name] = accuracy(clip_model, expert.vision_model, heads[name], pixels[name]["test"], labels[name]["test"])
         expert_states[name] = {k: v.detach().clone() for k, v in expert.state_dict().items()}
         deltas[name] = torch.cat([(v - base_state[k]).flatten() for k, v in expert_states[name].items()])
@@ -297,33 +274,10 @@ def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
         figures[f"{key}_average"] = float(np.mean(list(figures[key].values())))
     figures["build_seconds"] = time.perf_counter() - started
 
-    def entry(task, split):
-        return {"_target_": "datasets.load_from_disk", "dataset_path": data_paths[task][split]}
-
-    names = list(tasks)
-    pool = {
-        "_target_": "fusion_bench.modelpool.CLIPVisionModelPool", "_recursive_": False,
-        "processor": str(pretrained_dir),
-        "models": {"_pretrained_": str(pretrained_dir), **expert_dirs},
-        "train_datasets": {t: entry(t, "train") for t in names},
-        "test_datasets": {t: entry(t, "test") for t in names},
-    }
-    taskpool = {
-        "_target_": "featcal_fusionbench.taskpool.LocalCLIPVisionModelTaskPool", "_recursive_": False,
-        "test_datasets": {t: entry(t, "test") for t in names},
-        "processor": str(pretrained_dir), "clip_model": str(pretrained_dir),
-        "dataloader_kwargs": {"batch_size": 128, "num_workers": 0, "shuffle": False},
-        "classnames": {n: t.classnames for n, t in tasks.items()},
-        "templates": TEMPLATES,
-    }
-    config_root = root / "config"
-    paths = {
-        "modelpool": config_root / "modelpool" / "CLIPVisionModelPool" / f"offline_{spec.name}.yaml",
-        "taskpool": config_root / "taskpool" / "CLIPVisionModelTaskPool" / f"offline_{spec.name}.yaml",
-    }
-    for key, content in (("modelpool", pool), ("taskpool", taskpool)):
-        paths[key].parent.mkdir(parents=True, exist_ok=True)
-        paths[key].write_text(yaml.safe_dump(content, sort_keys=False))
+    paths = write_fusion_bench_configs(
+        root, f"offline_{spec.name}", pretrained_dir, expert_dirs, data_paths,
+        {n: t.classnames for n, t in tasks.items()}, TEMPLATES, eval_batch_size=128,
+    )
     spec_dict = asdict(spec)
     (root / "world.json").write_text(json.dumps({
         "spec": spec_dict, "figures": figures,
@@ -331,4 +285,4 @@ def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
         "counts": {n: t.counts() for n, t in tasks.items()},
         "classnames": {n: t.classnames for n, t in tasks.items()},
     }, indent=2))
-    return {"config_dir": str(config_root), **{k: str(v) for k, v in paths.items()}}
+    return paths

@@ -17,11 +17,10 @@ from typing import Dict, List
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-import yaml
 from PIL import Image
 from tqdm.auto import tqdm
 
+from .clip_common import finetune_vision_tower, write_fusion_bench_configs, zero_shot_head
 from .clip_tokenizer import clip_tokenizer
 
 CLASS_WORDS = ["circle", "square", "triangle", "star", "cross", "ring", "wave", "dot"]
@@ -81,35 +80,6 @@ def _images(prototype: np.ndarray, count: int, noise: float, rng: np.random.Gene
     return out
 
 
-def _zero_shot_head(clip_model, tokenizer, classnames: List[str]) -> torch.Tensor:
-    rows = []
-    with torch.no_grad():
-        for name in classnames:
-            tokens = tokenizer([t.format(name) for t in TEMPLATES], padding=True, return_tensors="pt")
-            emb = F.normalize(clip_model.get_text_features(**tokens), dim=-1).mean(0)
-            rows.append(F.normalize(emb, dim=0))
-    return torch.stack(rows)
-
-
-def _finetune_expert(clip_model, vision_model, head, dataset, processor, spec, seed):
-    """Fine-tune the vision tower against a frozen zero-shot head (FusionBench's expert protocol)."""
-    generator = torch.Generator().manual_seed(seed)
-    pixels = processor(images=list(dataset["image"]), return_tensors="pt")["pixel_values"]
-    labels = torch.tensor(dataset["label"])
-    optimizer = torch.optim.Adam(vision_model.parameters(), lr=spec.finetune_lr)
-    scale = clip_model.logit_scale.exp().detach()
-    vision_model.train()
-    for _ in range(spec.finetune_steps):
-        idx = torch.randint(len(labels), (16,), generator=generator)
-        feats = clip_model.visual_projection(vision_model(pixel_values=pixels[idx]).pooler_output)
-        logits = scale * F.normalize(feats, dim=-1) @ head.T
-        loss = F.cross_entropy(logits, labels[idx])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    vision_model.eval()
-
-
 def build_toy_clip_world(root: Path, spec: ToyCLIPSpec = ToyCLIPSpec()) -> Dict[str, str]:
     """Build the world under ``root``; return the paths of its pool and task-pool YAMLs."""
     from datasets import ClassLabel, Dataset, Features, Image as ImageFeature
@@ -153,42 +123,20 @@ def build_toy_clip_world(root: Path, spec: ToyCLIPSpec = ToyCLIPSpec()) -> Dict[
 
     expert_dirs = {}
     for t, task in enumerate(tqdm(spec.task_names(), desc="fine-tuning toy experts")):
-        head = _zero_shot_head(clip_model, tokenizer, classnames[task])
+        head = zero_shot_head(clip_model, tokenizer, classnames[task], TEMPLATES)
         expert = CLIPVisionModel.from_pretrained(pretrained_dir)
         train = load_from_disk(data_paths[task]["train"])
-        _finetune_expert(clip_model, expert.vision_model, head, train, processor, spec, spec.seed + 1 + t)
+        pixels = processor(images=list(train["image"]), return_tensors="pt")["pixel_values"]
+        generator = torch.Generator().manual_seed(spec.seed + 1 + t)
+        finetune_vision_tower(
+            clip_model, expert.vision_model, head, pixels, torch.tensor(train["label"]),
+            spec.finetune_steps, 16, spec.finetune_lr, generator,
+        )
         expert_dirs[task] = str(root / "experts" / task)
         expert.save_pretrained(expert_dirs[task])
 
-    def dataset_entry(task, split):
-        return {"_target_": "datasets.load_from_disk", "dataset_path": data_paths[task][split]}
-
-    tasks = spec.task_names()
-    pool = {
-        "_target_": "fusion_bench.modelpool.CLIPVisionModelPool",
-        "_recursive_": False,
-        "processor": str(pretrained_dir),
-        "models": {"_pretrained_": str(pretrained_dir), **expert_dirs},
-        "train_datasets": {t: dataset_entry(t, "train") for t in tasks},
-        "test_datasets": {t: dataset_entry(t, "test") for t in tasks},
-    }
-    taskpool = {
-        "_target_": "featcal_fusionbench.taskpool.LocalCLIPVisionModelTaskPool",
-        "_recursive_": False,
-        "test_datasets": {t: dataset_entry(t, "test") for t in tasks},
-        "processor": str(pretrained_dir),
-        "clip_model": str(pretrained_dir),
-        "dataloader_kwargs": {"batch_size": 64, "num_workers": 0, "shuffle": False},
-        "classnames": classnames,
-        "templates": TEMPLATES,
-    }
-    config_root = root / "config"
-    paths = {
-        "modelpool": config_root / "modelpool" / "CLIPVisionModelPool" / f"{spec.name}.yaml",
-        "taskpool": config_root / "taskpool" / "CLIPVisionModelTaskPool" / f"{spec.name}.yaml",
-    }
-    for key, content in (("modelpool", pool), ("taskpool", taskpool)):
-        paths[key].parent.mkdir(parents=True, exist_ok=True)
-        paths[key].write_text(yaml.safe_dump(content, sort_keys=False))
+    paths = write_fusion_bench_configs(
+        root, spec.name, pretrained_dir, expert_dirs, data_paths, classnames, TEMPLATES, eval_batch_size=64
+    )
     (root / "world.json").write_text(json.dumps({"spec": asdict(spec), "classnames": classnames}, indent=2))
-    return {"config_dir": str(config_root), **{k: str(v) for k, v in paths.items()}}
+    return paths

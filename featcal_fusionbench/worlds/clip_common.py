@@ -1,0 +1,83 @@
+"""What every offline CLIP world shares: zero-shot heads, expert fine-tuning, FusionBench configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+
+def zero_shot_head(clip_model, tokenizer, classnames: List[str], templates: List[str]) -> torch.Tensor:
+    """FusionBench's zero-shot head: per class, the normalised mean of normalised template embeddings."""
+    rows = []
+    with torch.no_grad():
+        for name in classnames:
+            tokens = tokenizer([t.format(name) for t in templates], padding=True, return_tensors="pt")
+            emb = F.normalize(clip_model.get_text_features(**tokens), dim=-1).mean(0)
+            rows.append(F.normalize(emb, dim=0))
+    return torch.stack(rows)
+
+
+def finetune_vision_tower(
+    clip_model, vision_model, head, pixels, labels, steps: int, batch_size: int, lr: float, generator
+) -> None:
+    """Fine-tune the vision tower against a frozen zero-shot head (FusionBench's expert protocol)."""
+    optimizer = torch.optim.Adam(vision_model.parameters(), lr=lr)
+    scale = clip_model.logit_scale.exp().detach()
+    vision_model.train()
+    for _ in range(steps):
+        idx = torch.randint(len(labels), (batch_size,), generator=generator)
+        feats = clip_model.visual_projection(vision_model(pixel_values=pixels[idx]).pooler_output)
+        loss = F.cross_entropy(scale * F.normalize(feats, dim=-1) @ head.T, labels[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    vision_model.eval()
+
+
+def write_fusion_bench_configs(
+    root: Path,
+    name: str,
+    pretrained_dir: Path,
+    expert_dirs: Dict[str, str],
+    data_paths: Dict[str, Dict[str, str]],
+    classnames: Dict[str, List[str]],
+    templates: List[str],
+    eval_batch_size: int,
+) -> Dict[str, str]:
+    """A CLIPVisionModelPool and a LocalCLIPVisionModelTaskPool over the world's local files."""
+
+    def entry(task, split):
+        return {"_target_": "datasets.load_from_disk", "dataset_path": data_paths[task][split]}
+
+    tasks = list(expert_dirs)
+    pool = {
+        "_target_": "fusion_bench.modelpool.CLIPVisionModelPool",
+        "_recursive_": False,
+        "processor": str(pretrained_dir),
+        "models": {"_pretrained_": str(pretrained_dir), **expert_dirs},
+        "train_datasets": {t: entry(t, "train") for t in tasks},
+        "test_datasets": {t: entry(t, "test") for t in tasks},
+    }
+    taskpool = {
+        "_target_": "featcal_fusionbench.taskpool.LocalCLIPVisionModelTaskPool",
+        "_recursive_": False,
+        "test_datasets": {t: entry(t, "test") for t in tasks},
+        "processor": str(pretrained_dir),
+        "clip_model": str(pretrained_dir),
+        "dataloader_kwargs": {"batch_size": eval_batch_size, "num_workers": 0, "shuffle": False},
+        "classnames": classnames,
+        "templates": templates,
+    }
+    config_root = Path(root) / "config"
+    paths = {
+        "modelpool": config_root / "modelpool" / "CLIPVisionModelPool" / f"{name}.yaml",
+        "taskpool": config_root / "taskpool" / "CLIPVisionModelTaskPool" / f"{name}.yaml",
+    }
+    for key, content in (("modelpool", pool), ("taskpool", taskpool)):
+        paths[key].parent.mkdir(parents=True, exist_ok=True)
+        paths[key].write_text(yaml.safe_dump(content, sort_keys=False))
+    return {"config_dir": str(config_root), **{k: str(v) for k, v in paths.items()}}
