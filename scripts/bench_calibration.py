@@ -83,6 +83,10 @@ def sync(device):
 def forward_floor(merged, experts, images, batch_size, device) -> float:
     """Merged model over every task's samples, each expert over its own task's; models on the device."""
     merged = merged.to(device)
+    # warm-up outside the timing: CUDA context, kernel loading and library handles would otherwise be charged to
+    # the floor (and flatter every ratio)
+    warm = next(iter(images.values()))[:batch_size].to(device)
+    merged(pixel_values=warm)
     sync(device)
     started = time.perf_counter()
     for task, expert in experts.items():
@@ -152,6 +156,37 @@ def run_surgery(args, config, base, merged, experts, images, device, cls):
     }
 
 
+class RSSSampler:
+    """Peak resident memory over a region, sampled: ru_maxrss cannot be reset after the models are built."""
+
+    def __init__(self, interval: float = 0.01):
+        import threading
+
+        import psutil
+
+        self.process, self.interval = psutil.Process(), interval
+        self.start_bytes = self.peak_bytes = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.wait(self.interval):
+            self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)
+
+
+def model_bytes(*models) -> int:
+    return sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+
+
 def worker(args) -> dict:
     from featcal_fusionbench.baselines import ProbSurgeryAlgorithm, SurgeryAlgorithm
 
@@ -160,17 +195,23 @@ def worker(args) -> dict:
     floor = forward_floor(merged, experts, images, args.batch_size, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    if args.worker == "featcal":
-        seconds, extra = run_featcal(args, config, base, merged, experts, images, device)
-    else:
-        cls = SurgeryAlgorithm if args.worker == "surgery" else ProbSurgeryAlgorithm
-        seconds, extra = run_surgery(args, config, base, merged, experts, images, device, cls)
+    with RSSSampler() as rss:
+        if args.worker == "featcal":
+            seconds, extra = run_featcal(args, config, base, merged, experts, images, device)
+        else:
+            cls = SurgeryAlgorithm if args.worker == "surgery" else ProbSurgeryAlgorithm
+            seconds, extra = run_surgery(args, config, base, merged, experts, images, device, cls)
     return {
         "method": args.worker,
         "seconds": seconds,
         "forward_floor_seconds": floor,
         "ratio_to_floor": seconds / floor,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # what the calibration stage itself holds: resident at its start (interpreter, CUDA context, the models
+        # and images the bench built) and the sampled peak while it runs
+        "rss_at_start_bytes": rss.start_bytes,
+        "peak_rss_during_bytes": rss.peak_bytes,
+        "models_bytes": model_bytes(base, merged, *experts.values()),
         "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         **extra,
     }
@@ -219,6 +260,8 @@ def main():
             f"{method:12s} {result['seconds']:9.2f} s  floor {result['forward_floor_seconds']:8.2f} s  "
             f"x{result['ratio_to_floor']:6.2f}  peak RSS {result['peak_rss_bytes'] / 2**30:6.2f} GiB"
             + (f"  peak device {result['peak_device_bytes'] / 2**30:6.2f} GiB" if result["peak_device_bytes"] else "")
+            + f"  [RSS {result['rss_at_start_bytes'] / 2**30:.2f} -> {result['peak_rss_during_bytes'] / 2**30:.2f} GiB"
+            f" during; models {result['models_bytes'] / 2**30:.2f} GiB]"
             + (f"  ({result['steps']} steps, {result['extrapolated_seconds_1000_steps']:.1f} s per 1000)" if "steps" in result else "")
         )
         if result.get("statistics_bytes"):

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${FEATCAL_VENV:-.venv}
-WORLD_NAME=${FEATCAL_WORLD:-toy}
+WORLD_NAME=${FEATCAL_WORLD:-clip}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 WORLD=$("$VENV/bin/featcal-world" path "$WORLD_NAME" --build)
 read -r -a WORLD_ARGS <<< "$("$VENV/bin/featcal-world" args "$WORLD_NAME")"

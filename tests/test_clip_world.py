@@ -1,33 +1,114 @@
 """A reduced build of the offline CLIP world, loaded and evaluated through FusionBench's pools."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.worlds.clip_world import CLIPWorldSpec, TaskSpec, build_clip_world
+from featcal_fusionbench.worlds.clip_world import CLIP8, CLIPWorldSpec, TaskSpec, build_clip_world
+from featcal_fusionbench.worlds.registry import ENV_DIR
 from fusion_bench.utils import instantiate
 
+REPO = Path(__file__).resolve().parents[1]
+
+# The tasks of the packaged `offline_clip2` configs, so those configs serve this reduced world.
 MINI = CLIPWorldSpec(
-    name="mini",
+    name="clip",
     tasks=[TaskSpec("mnist", "mnist", 12, 4), TaskSpec("textile", "textile", 12, 4)],
     image_size=16, patch_size=8, width=32, layers=2, heads=2, text_width=32, text_layers=1, projection_dim=16,
     pretrain_steps=5, pretrain_batch=16, finetune_steps=3, finetune_batch=8,
 )
 
 
-def test_reduced_world_builds_and_is_served_by_fusion_bench(tmp_path):
-    paths = build_clip_world(tmp_path, MINI)
-    world = json.loads((tmp_path / "world.json").read_text())
+def packaged_pools(subset):
+    """The packaged pool configs as the CLI composes them (with this package's search-path plugin)."""
+    import fusion_bench_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+        cfg = compose(
+            "fabric_model_fusion",
+            overrides=[f"modelpool=CLIPVisionModelPool/{subset}", f"taskpool=CLIPVisionModelTaskPool/{subset}"],
+        )
+    GlobalHydra.instance().clear()
+    return cfg.modelpool, cfg.taskpool
+
+
+@pytest.fixture(scope="module")
+def mini_world(tmp_path_factory):
+    """The reduced world, built where the registry looks for the world `clip` (under $FEATCAL_WORLDS_DIR)."""
+    worlds = tmp_path_factory.mktemp("worlds")
+    return worlds, build_clip_world(worlds / "clip", MINI)
+
+
+def test_reduced_world_builds_and_is_served_by_the_packaged_fusion_bench_configs(mini_world, monkeypatch):
+    worlds, paths = mini_world
+    monkeypatch.setenv(ENV_DIR, str(worlds))
+    world = json.loads((worlds / "clip" / "world.json").read_text())
     assert world["counts"]["mnist"] == {"train": [12] * 10, "test": [4] * 10}
     assert set(world["figures"]["expert"]) == {"mnist", "textile"}
     assert 0.0 <= world["figures"]["linear_probe_task_identification"] <= 1.0
 
-    pool = instantiate(OmegaConf.load(paths["modelpool"]))
+    modelpool_cfg, taskpool_cfg = packaged_pools("offline_clip2")
+    pool = instantiate(modelpool_cfg)
     assert pool.model_names == ["mnist", "textile"] and pool.has_pretrained
     assert len(pool.load_train_dataset("mnist")) == 120
-    taskpool = instantiate(OmegaConf.load(paths["taskpool"]))
+    # the world's own self-contained copy (absolute paths) names the same models
+    assert instantiate(OmegaConf.load(paths["modelpool"])).model_names == pool.model_names
+    taskpool = instantiate(taskpool_cfg)
     taskpool._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
     report = taskpool.evaluate(pool.load_model("mnist"))
     # The builder's own zero-shot evaluation and FusionBench's agree on the expert's accuracy.
     assert abs(report["mnist"]["accuracy"] - world["figures"]["expert"]["mnist"]) < 1e-6
+
+
+def test_a_missing_world_fails_with_the_build_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    modelpool_cfg, _ = packaged_pools("offline_clip8")
+    with pytest.raises(Exception, match="featcal-world build clip"):
+        OmegaConf.to_container(modelpool_cfg, resolve=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("subset,size", [("offline_clip8", 8), ("offline_clip4", 4), ("offline_clip2", 2)])
+def test_packaged_subsets_name_tasks_of_the_world(subset, size):
+    for kind in ("modelpool/CLIPVisionModelPool", "taskpool/CLIPVisionModelTaskPool"):
+        config = yaml.safe_load((REPO / "config" / kind / f"{subset}.yaml").read_text())
+        tasks = list(config["test_datasets"])
+        assert len(tasks) == size and set(tasks) <= set(CLIP8.task_names)
+        if kind.startswith("modelpool"):
+            assert list(config["models"]) == ["_pretrained_", *tasks] and list(config["train_datasets"]) == tasks
+    assert [t.name for t in CLIP8.tasks] == list(yaml.safe_load(
+        (REPO / "config/modelpool/CLIPVisionModelPool/offline_clip8.yaml").read_text())["test_datasets"])
+
+
+def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mini_world, tmp_path):
+    worlds, _ = mini_world
+    env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "results" / "mini"
+    command = [
+        sys.executable, str(REPO / "scripts" / "world_results.py"), "--subset", "offline_clip2", "--upstreams", "ta",
+        "--n", "8", "--sweep-n", "4", "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(out),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    ta = results["mergers"]["ta"]
+    assert set(ta["upstream"]) == set(ta["featcal"]) == {"mnist", "textile", "average"}
+    assert results["sweep"]["averages"].keys() == {"4"} and out.with_suffix(".png").stat().st_size > 0
+    table = out.with_suffix(".md").read_text()
+    assert "| Task Arithmetic + FeatCal |" in table and results["command"] in table
+    header = next(line for line in table.splitlines() if line.startswith("| method |"))
+    assert header == "| method | mnist | textile | average | FeatCal s |"
+    # a second invocation resumes: the runs are reused, not repeated
+    logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("run.log")}
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+    assert {p: p.stat().st_mtime_ns for p in logs} == logs

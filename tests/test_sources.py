@@ -55,3 +55,13 @@ def test_oversized_pngs_are_skipped_without_decoding(tmp_path, monkeypatch):
     assert sources._load_bounded(path, 8) is None
     monkeypatch.setattr(sources, "MAX_DECODE_PIXELS", 300 * 300)
     assert sources._load_bounded(path, 8).shape == (8, 8, 3)
+
+
+def test_headers_pil_refuses_as_bombs_are_skipped(tmp_path, monkeypatch):
+    # openclipart-png holds a ~620-megapixel PNG, beyond twice PIL's limit: PIL raises on open.
+    from PIL import Image
+
+    path = tmp_path / "bomb.png"
+    Image.new("RGB", (300, 300)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300 * 300 // 2 - 1)
+    assert sources._load_bounded(path, 8) is None

@@ -36,7 +36,8 @@ def main(argv=None) -> int:
             print(f"world {args.name!r} is not built; run: featcal-world build {args.name}", file=sys.stderr)
             return 1
         world = WORLDS[args.name]
-        print(f"--config-dir {world_path(args.name) / 'config'} modelpool={world.modelpool} taskpool={world.taskpool}")
+        config_dir = "" if world.packaged else f"--config-dir {world_path(args.name) / 'config'} "
+        print(f"{config_dir}modelpool={world.modelpool} taskpool={world.taskpool}")
         return 0
     if args.build:
         build_world(args.name)

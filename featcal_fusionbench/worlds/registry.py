@@ -6,7 +6,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from .clip_world import CLIP8, build_clip_world
 from .toy_clip import ToyCLIPSpec, build_toy_clip_world
@@ -19,8 +19,9 @@ class World:
     name: str
     description: str
     build: Callable[[Path], dict]
-    modelpool: str  # config names inside the world's config/ folder
+    modelpool: str
     taskpool: str
+    packaged: bool = False  # pools shipped with this package; otherwise inside the world's own config/ folder
 
 
 TOY_SPEC = ToyCLIPSpec(
@@ -38,10 +39,11 @@ WORLDS: Dict[str, World] = {
     ),
     "clip": World(
         name="clip",
-        description="8 real packaged image tasks, contrastively pretrained tiny CLIP, small-step experts (work in progress)",
+        description="8 real packaged image tasks, contrastively pretrained tiny CLIP, small-step experts",
         build=lambda root: build_clip_world(root, CLIP8),
-        modelpool="CLIPVisionModelPool/offline_clip",
-        taskpool="CLIPVisionModelTaskPool/offline_clip",
+        modelpool="CLIPVisionModelPool/offline_clip8",
+        taskpool="CLIPVisionModelTaskPool/offline_clip8",
+        packaged=True,
     ),
 }
 
@@ -64,6 +66,26 @@ def world_path(name: str) -> Path:
 
 def is_built(name: str) -> bool:
     return (world_path(name) / "world.json").is_file()
+
+
+def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[str] = None):
+    """The (modelpool, taskpool) configs of a world, unresolved, as the CLI would compose them."""
+    from omegaconf import OmegaConf
+
+    from .resolvers import register_resolvers
+
+    register_resolvers()
+    world = get_world(name)
+    if world.packaged:
+        import featcal_fusionbench_config
+
+        config = Path(list(featcal_fusionbench_config.__path__)[0])
+    else:
+        config = world_path(name) / "config"
+    return tuple(
+        OmegaConf.load(config / kind / f"{choice}.yaml")
+        for kind, choice in (("modelpool", modelpool or world.modelpool), ("taskpool", taskpool or world.taskpool))
+    )
 
 
 def build_world(name: str, force: bool = False) -> Path:
