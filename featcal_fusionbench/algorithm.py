@@ -13,7 +13,7 @@ from .architectures import adapter_class_for
 from .data import select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
 from .hparams import FeatCalHParams
-from .post_merging import PostMergingMixin
+from .post_merging import PostMergingMixin, peak_memory
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 "hparams": {k: getattr(hp, k) for k in hp.__dataclass_fields__},
                 "device": str(self.fabric.device),
                 "world_size": world_size,
+                **peak_memory(self.fabric.device),
             }
         )
         self.save_report(REPORT_NAME, report)
@@ -119,6 +120,7 @@ def _summary(report: Dict[str, Any]) -> Dict[str, Any]:
     last = report["blocks"][-1]["drift"]
     return {
         "seconds": report["seconds"],
+        "peak_rss_bytes": report["peak_rss_bytes"],
         "upstream": report["upstream"],
         "last_block_drift": last,
     }

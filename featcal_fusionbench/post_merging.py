@@ -11,8 +11,10 @@ import copy
 import json
 import logging
 import os
+import resource
 from typing import Any, Dict, List, Tuple
 
+import torch
 from torch import nn
 
 from .checks import check_same_architecture
@@ -67,3 +69,13 @@ class PostMergingMixin:
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
         log.info("%s report saved to %s", self.method_name, path)
+
+
+def peak_memory(device) -> Dict[str, Any]:
+    """Peak host RSS of this process so far (models, data and the calibration stage; evaluation comes later) and,
+    on CUDA, peak allocated device memory."""
+    device = torch.device(device)
+    return {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }

@@ -1,13 +1,18 @@
-"""Results of an offline world, by one command: references, every upstream merger with and without FeatCal, and
-Task Arithmetic + FeatCal's average accuracy against the number of calibration examples.
+"""Results of an offline world, by one command: references, every upstream merger alone and with FeatCal, Surgery
+and ProbSurgery, and each calibrator's average accuracy after Task Arithmetic against the number of calibration
+examples per task.
 
 Usage:
   python scripts/world_results.py                      # offline_clip8, writes docs/results/offline_clip8.{md,json,png}
-  python scripts/world_results.py --subset offline_clip4 --seeds 0 --sweep-n 16,64
+  python scripts/world_results.py --subset offline_clip4 --seeds 0 --sweep-n 16,64 --calibrators featcal
 
-Every merged model runs through the `fusion_bench` CLI (method=featcal/clip_<upstream>, return_upstream=true), so the
-upstream row and its FeatCal row come from one run on the same merged model. Runs are kept under --runs and skipped
-when their report exists with the same command: an interrupted invocation resumes.
+Every merged model runs through the `fusion_bench` CLI (method=<calibrator>/clip_<upstream>, return_upstream=true),
+so each calibrated row and its upstream row come from one run on the same merged model; AdaMerging's merging weights
+are learnt once (in the FeatCal run) and reused by the other calibrators. Each row carries the calibration stage's
+seconds and the process's peak RSS up to the end of calibration, from the method's own report. In the n-sweep the
+baselines take `method.precompute_features=true` (their n features computed once rather than streamed through both
+models at each of the 1000 steps; the same training data, far less CPU time) unless --sweep-streamed. Runs are kept
+under --runs and skipped when their report exists with the same command: an interrupted invocation resumes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ UPSTREAMS = {
     "adamerging": "AdaMerging (layer-wise)",
     "wudi": "WUDI",
 }
+CALIBRATORS = {"featcal": "FeatCal", "surgery": "Surgery", "probsurgery": "ProbSurgery"}
 # AdaMerging's default of 8 loader workers only adds process start-up on these 2-core machines.
 EXTRA = {"adamerging": ["method.upstream.algorithm_config.num_workers=0"]}
 
@@ -76,36 +82,49 @@ def markdown(results: dict) -> str:
         f"Command: `{results['command']}`  ",
         f"Machine: {results['machine']}; date: {results['date']}; wall time {results['wall_seconds'] / 60:.1f} min.  ",
         f"FeatCal settings: the paper's CLIP values (`method=featcal/clip_<upstream>`: lambda 0.05, rho 2.0, alpha 0.3), "
-        f"n = {results['n']} calibration examples per task from each task's train split, seed {results['seed']}.",
+        f"n = {results['n']} calibration examples per task from each task's train split, seed {results['seed']}.  ",
+        f"Surgery and ProbSurgery: the paper's defaults (`method=<name>/clip_<upstream>`: Adam, lr 1e-3, "
+        f"{results['baseline_steps']} iterations of one step per task, batch 16, features streamed through the merged "
+        "model and the expert at every step), on the same n examples per task of the train split.  ",
+        "Calibration s and peak RSS come from each method's own report: the calibration stage alone, and the peak "
+        "resident memory of the run's process up to the end of calibration (models, data, upstream merge included).",
         "",
-        "| method | " + " | ".join(tasks) + " | average | FeatCal s |",
-        "|---|" + "---|" * (len(tasks) + 2),
+        "| method | " + " | ".join(tasks) + " | average | calibration s | peak RSS GiB |",
+        "|---|" + "---|" * (len(tasks) + 3),
     ]
 
-    def row(name, accs, seconds=None):
+    def row(name, accs, cost=None):
         cells = " | ".join(f"{accs[t]:.1f}" for t in [*tasks, "average"])
-        return f"| {name} | {cells} | {'' if seconds is None else f'{seconds:.1f}'} |"
+        extra = " | |" if cost is None else f" | {cost['seconds']:.1f} | {cost['peak_rss_bytes'] / 2**30:.2f} |"
+        return f"| {name} | {cells}{extra}"
 
     lines.append(row("Pretrained (zero-shot)", results["references"]["pretrained"]))
     lines.append(row("Individual experts", results["references"]["experts"]))
     for key, entry in results["mergers"].items():
         lines.append(row(UPSTREAMS[key], entry["upstream"]))
-        lines.append(row(f"{UPSTREAMS[key]} + FeatCal", entry["featcal"], entry["calibration_seconds"]))
+        for calibrator, calibrated in entry["calibrated"].items():
+            lines.append(row(f"{UPSTREAMS[key]} + {CALIBRATORS[calibrator]}", calibrated["accuracy"], calibrated))
     sweep = results.get("sweep")
     if sweep:
         lines += [
             "",
-            f"## Task Arithmetic + FeatCal against n (average accuracy, seeds {', '.join(map(str, sweep['seeds']))})",
+            f"## After Task Arithmetic, against n (average accuracy; seeds {', '.join(map(str, sweep['seeds']))})",
             "",
             f"Task Arithmetic alone: {sweep['upstream_average']:.1f}; experts: "
-            f"{results['references']['experts']['average']:.1f}. Plot: `{Path(results['png']).name}`.",
+            f"{results['references']['experts']['average']:.1f}. Baselines' features: {sweep['baseline_features']}. "
+            f"Plot: `{Path(results['png']).name}`.",
             "",
-            "| n | mean | std | per seed |",
-            "|---|---|---|---|",
+            "| calibrator | n | mean | std | per seed | mean calibration s |",
+            "|---|---|---|---|---|---|",
         ]
-        for n, values in sweep["averages"].items():
-            std = statistics.stdev(values) if len(values) > 1 else 0.0
-            lines.append(f"| {n} | {statistics.fmean(values):.1f} | {std:.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
+        for calibrator, by_n in sweep["averages"].items():
+            for n, values in by_n.items():
+                std = statistics.stdev(values) if len(values) > 1 else 0.0
+                seconds = statistics.fmean(sweep["seconds"][calibrator][n])
+                lines.append(
+                    f"| {CALIBRATORS[calibrator]} | {n} | {statistics.fmean(values):.1f} | {std:.1f} | "
+                    f"{', '.join(f'{v:.1f}' for v in values)} | {seconds:.1f} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -116,11 +135,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sweep = results["sweep"]
-    ns = [int(n) for n in sweep["averages"]]
-    means = [statistics.fmean(v) for v in sweep["averages"].values()]
-    stds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in sweep["averages"].values()]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.errorbar(ns, means, yerr=stds, marker="o", capsize=3, label="Task Arithmetic + FeatCal")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for calibrator, by_n in sweep["averages"].items():
+        ns = [int(n) for n in by_n]
+        means = [statistics.fmean(v) for v in by_n.values()]
+        stds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in by_n.values()]
+        ax.errorbar(ns, means, yerr=stds, marker="o", capsize=3, label=f"Task Arithmetic + {CALIBRATORS[calibrator]}")
     ax.axhline(sweep["upstream_average"], color="gray", linestyle="--", label="Task Arithmetic")
     ax.axhline(results["references"]["experts"]["average"], color="green", linestyle=":", label="experts")
     ax.set_xscale("log", base=2)
@@ -138,6 +158,10 @@ def main(argv=None) -> int:
     parser.add_argument("--world", default="clip")
     parser.add_argument("--subset", default="offline_clip8", help="the pools' config name")
     parser.add_argument("--upstreams", default=",".join(UPSTREAMS))
+    parser.add_argument("--calibrators", default=",".join(CALIBRATORS), help="for the merger table")
+    parser.add_argument("--sweep-calibrators", default=",".join(CALIBRATORS))
+    parser.add_argument("--sweep-streamed", action="store_true", help="baselines stream features in the sweep too")
+    parser.add_argument("--baseline-steps", type=int, default=1000, help="Surgery / ProbSurgery iterations")
     parser.add_argument("--n", type=int, default=256, help="calibration examples per task for the merger table")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--sweep-n", default="8,16,32,64,128,256", help="empty: no sweep")
@@ -150,6 +174,11 @@ def main(argv=None) -> int:
     unknown = [u for u in upstreams if u not in UPSTREAMS]
     if unknown:
         parser.error(f"unknown upstream(s) {unknown}; known: {', '.join(UPSTREAMS)}")
+    calibrators = [c for c in args.calibrators.split(",") if c]
+    sweep_calibrators = [c for c in args.sweep_calibrators.split(",") if c]
+    unknown = [c for c in calibrators + sweep_calibrators if c not in CALIBRATORS]
+    if unknown or "featcal" not in calibrators:
+        parser.error(f"calibrators must include featcal and come from {', '.join(CALIBRATORS)}; got unknown {unknown}")
     sweep_n = [int(n) for n in args.sweep_n.split(",") if n]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if any(n < 1 for n in [args.n, *sweep_n]):
@@ -175,32 +204,55 @@ def main(argv=None) -> int:
         "date": date.today().isoformat(),
         "n": args.n,
         "seed": args.seed,
+        "baseline_steps": args.baseline_steps,
         "references": {k: with_average({t: 100 * a for t, a in v.items()}) for k, v in refs.items()},
         "mergers": {},
     }
+    def calibrated(report, calibrator):
+        cost = report[f"{calibrator}_calibration"]
+        return {"accuracy": accuracies(report[calibrator]), "seconds": cost["seconds"], "peak_rss_bytes": cost["peak_rss_bytes"]}
+
     for upstream in upstreams:
-        print(f"{UPSTREAMS[upstream]} and + FeatCal", flush=True)
-        report = run_fusion_bench(runs / upstream, [
-            *pools, f"method=featcal/clip_{upstream}", "method.return_upstream=true",
-            f"method.num_calibration_examples={args.n}", f"method.seed={args.seed}", *EXTRA.get(upstream, []),
-        ])
-        results["mergers"][upstream] = {
-            "upstream": accuracies(report["upstream"]),
-            "featcal": accuracies(report["featcal"]),
-            "calibration_seconds": report["featcal_calibration"]["seconds"],
-        }
+        entry = {"calibrated": {}}
+        for calibrator in calibrators:
+            print(f"{UPSTREAMS[upstream]} + {CALIBRATORS[calibrator]}", flush=True)
+            extra = list(EXTRA.get(upstream, []))
+            if calibrator != "featcal":
+                extra.append(f"method.max_steps={args.baseline_steps}")
+            if upstream == "adamerging" and calibrator != "featcal":
+                extra.append(f"method.upstream.algorithm_config.weights={runs / 'adamerging' / 'merging_weights.pt'}")
+            name = upstream if calibrator == "featcal" else f"{upstream}_{calibrator}"
+            report = run_fusion_bench(runs / name, [
+                *pools, f"method={calibrator}/clip_{upstream}", "method.return_upstream=true",
+                f"method.num_calibration_examples={args.n}", f"method.seed={args.seed}", *extra,
+            ])
+            upstream_accuracy = accuracies(report["upstream"])
+            if "upstream" in entry and entry["upstream"] != upstream_accuracy:
+                print(f"  warning: {upstream} gave other accuracies in the {calibrator} run: {upstream_accuracy}")
+            entry.setdefault("upstream", upstream_accuracy)
+            entry["calibrated"][calibrator] = calibrated(report, calibrator)
+        results["mergers"][upstream] = entry
     if sweep_n:
-        averages, upstream_average = {}, None
-        for n in sweep_n:
-            for seed in seeds:
-                print(f"sweep n={n} seed={seed}", flush=True)
-                report = run_fusion_bench(runs / f"sweep_n{n}_seed{seed}", [
-                    *pools, "method=featcal/clip_ta", "method.return_upstream=true",
-                    f"method.num_calibration_examples={n}", f"method.seed={seed}",
-                ])
-                averages.setdefault(str(n), []).append(accuracies(report["featcal"])["average"])
-                upstream_average = accuracies(report["upstream"])["average"]
-        results["sweep"] = {"seeds": seeds, "averages": averages, "upstream_average": upstream_average}
+        averages, seconds, upstream_average = {}, {}, None
+        for calibrator in sweep_calibrators:
+            precompute = calibrator != "featcal" and not args.sweep_streamed
+            for n in sweep_n:
+                for seed in seeds:
+                    print(f"sweep {calibrator} n={n} seed={seed}", flush=True)
+                    report = run_fusion_bench(runs / f"sweep_{calibrator}_n{n}_seed{seed}", [
+                        *pools, f"method={calibrator}/clip_ta", "method.return_upstream=true",
+                        f"method.num_calibration_examples={n}", f"method.seed={seed}",
+                        *(["method.precompute_features=true"] if precompute else []),
+                        *([f"method.max_steps={args.baseline_steps}"] if calibrator != "featcal" else []),
+                    ])
+                    result = calibrated(report, calibrator)
+                    averages.setdefault(calibrator, {}).setdefault(str(n), []).append(result["accuracy"]["average"])
+                    seconds.setdefault(calibrator, {}).setdefault(str(n), []).append(result["seconds"])
+                    upstream_average = accuracies(report["upstream"])["average"]
+        results["sweep"] = {
+            "seeds": seeds, "averages": averages, "seconds": seconds, "upstream_average": upstream_average,
+            "baseline_features": "streamed" if args.sweep_streamed else "precomputed (method.precompute_features=true)",
+        }
         results["png"] = out.with_suffix(".png").name
     results["wall_seconds"] = time.perf_counter() - started
 

@@ -54,7 +54,7 @@ def test_reduced_world_builds_and_is_served_by_the_packaged_fusion_bench_configs
     monkeypatch.setenv(ENV_DIR, str(worlds))
     world = json.loads((worlds / "clip" / "world.json").read_text())
     assert world["counts"]["mnist"] == {"train": [12] * 10, "test": [4] * 10}
-    assert set(world["figures"]["expert"]) == {"mnist", "textile"}
+    assert set(world["figures"]["expert"]) == set(world["figures"]["others_only_task_arithmetic"]) == {"mnist", "textile"}
     assert 0.0 <= world["figures"]["linear_probe_task_identification"] <= 1.0
 
     modelpool_cfg, taskpool_cfg = packaged_pools("offline_clip2")
@@ -97,17 +97,24 @@ def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mi
     command = [
         sys.executable, str(REPO / "scripts" / "world_results.py"), "--subset", "offline_clip2", "--upstreams", "ta",
         "--n", "8", "--sweep-n", "4", "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(out),
+        "--calibrators", "featcal,surgery", "--sweep-calibrators", "featcal,probsurgery", "--baseline-steps", "5",
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
     ta = results["mergers"]["ta"]
-    assert set(ta["upstream"]) == set(ta["featcal"]) == {"mnist", "textile", "average"}
-    assert results["sweep"]["averages"].keys() == {"4"} and out.with_suffix(".png").stat().st_size > 0
+    assert set(ta["calibrated"]) == {"featcal", "surgery"}
+    for entry in (ta["upstream"], *(c["accuracy"] for c in ta["calibrated"].values())):
+        assert set(entry) == {"mnist", "textile", "average"}
+    assert all(c["seconds"] > 0 and c["peak_rss_bytes"] > 2**20 for c in ta["calibrated"].values())
+    sweep = results["sweep"]
+    assert {c: list(v) for c, v in sweep["averages"].items()} == {"featcal": ["4"], "probsurgery": ["4"]}
+    assert "precomputed" in sweep["baseline_features"] and out.with_suffix(".png").stat().st_size > 0
     table = out.with_suffix(".md").read_text()
-    assert "| Task Arithmetic + FeatCal |" in table and results["command"] in table
+    assert "| Task Arithmetic + FeatCal |" in table and "| Task Arithmetic + Surgery |" in table
+    assert results["command"] in table and "5 iterations" in table
     header = next(line for line in table.splitlines() if line.startswith("| method |"))
-    assert header == "| method | mnist | textile | average | FeatCal s |"
+    assert header == "| method | mnist | textile | average | calibration s | peak RSS GiB |"
     # a second invocation resumes: the runs are reused, not repeated
     logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("run.log")}
     subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..data import SPLITS, select_calibration_data
-from ..post_merging import PostMergingMixin
+from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             "num_calibration_examples": self.num_calibration_examples,
             "max_steps": self.max_steps,
             "seconds": seconds,
+            **peak_memory(device),
             "final_loss": {t: sum(h[-10:]) / max(len(h[-10:]), 1) for t, h in history.items()},
             "first_loss": {t: (h[0] if h else None) for t, h in history.items()},
         }

@@ -22,10 +22,17 @@ def zero_shot_head(clip_model, tokenizer, classnames: List[str], templates: List
 
 
 def finetune_vision_tower(
-    clip_model, vision_model, head, pixels, labels, steps: int, batch_size: int, lr: float, generator
+    clip_model, vision_model, head, pixels, labels, steps: int, batch_size: int, lr: float, generator,
+    weight_decay: float = 0.0, cosine: bool = False,
 ) -> None:
-    """Fine-tune the vision tower against a frozen zero-shot head (FusionBench's expert protocol)."""
-    optimizer = torch.optim.Adam(vision_model.parameters(), lr=lr)
+    """Fine-tune the vision tower against a frozen zero-shot head (FusionBench's expert protocol). ``cosine`` with
+    ``weight_decay`` is the task-arithmetic experts' recipe (AdamW, warm-up then cosine decay)."""
+    optimizer = torch.optim.AdamW(vision_model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = (
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1, anneal_strategy="cos")
+        if cosine
+        else None
+    )
     scale = clip_model.logit_scale.exp().detach()
     vision_model.train()
     for _ in range(steps):
@@ -35,6 +42,8 @@ def finetune_vision_tower(
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
     vision_model.eval()
 
 
