@@ -4,9 +4,13 @@ For a built offline world (the registered `clip` world by default, or reduced va
 every subset of tasks in --subsets is merged by Task Arithmetic (0.3) and calibrated by FeatCal (the paper's values)
 toward that subset's experts only; each task's recovery is (FeatCal - TA) / (expert - TA). Single tasks give what one
 linear map per module can do for one expert; pairs and larger sets show what is lost when one map must serve several.
-Beside each pair: how much the two tasks' module inputs overlap in the base model (the Frobenius cosine of their
-normalised uncentred second moments, averaged over the calibrated linear modules), the quantity the joint solve
-(Eq. 17) is blind to. None of this chooses the world: it is measured after the world is fixed by its regime checks.
+Beside each pair, two FeatCal-free properties of the world: how much each task's vector (x 0.3) alone costs the other
+task against the base (pairwise interference: the absence of weight disentanglement), and how much the two tasks'
+module inputs overlap in the base model (the Frobenius cosine of their normalised uncentred second moments, averaged
+over the calibrated linear modules). Per task: the base, the base plus the other tasks' vectors (x 0.3), the base plus
+a random perturbation with the same per-tensor norms (a control: is the base merely fragile?), and the base plus the
+task's own vector (x 0.3). None of this chooses the world: it is measured after the world is fixed by its regime
+checks.
 
 Usage:
   python scripts/world_ablation.py                                   # the built `clip` world
@@ -71,12 +75,33 @@ class World:
         return {t: 100 * report[t]["accuracy"] for t in tasks}
 
     def task_arithmetic(self, tasks, scale: float = 0.3):
-        merged = copy.deepcopy(self.base)
-        base_state = self.base.state_dict()
-        merged.load_state_dict(
-            {k: v + scale * sum(self.experts[t].state_dict()[k] - v for t in tasks) for k, v in base_state.items()}
-        )
-        return merged
+        return self.perturbed(self.task_vector_sum(tasks, scale))
+
+    def task_vector_sum(self, tasks, scale: float = 0.3) -> dict:
+        return {k: scale * sum(self.experts[t].state_dict()[k] - v for t in tasks) for k, v in self.base.state_dict().items()}
+
+    def perturbed(self, delta: dict):
+        model = copy.deepcopy(self.base)
+        model.load_state_dict({k: v + delta[k] for k, v in self.base.state_dict().items()})
+        return model
+
+    def interference(self, seed: int) -> dict:
+        """Per task: accuracy of the base, of the base plus the other tasks' vectors (x 0.3), of the base plus a
+        random perturbation with the very same per-tensor norms, and of the base plus its own vector (x 0.3)."""
+        generator = torch.Generator().manual_seed(seed)
+        out = {}
+        for task in self.tasks:
+            others = self.task_vector_sum([t for t in self.tasks if t != task])
+            noise = {}
+            for key, delta in others.items():
+                r = torch.randn(delta.shape, generator=generator, dtype=delta.dtype)
+                noise[key] = r * (delta.norm() / r.norm()) if delta.norm() > 0 else delta
+            models = {
+                "base": self.base, "base + others": self.perturbed(others), "base + random, same norms": self.perturbed(noise),
+                "base + own": self.task_arithmetic([task]),
+            }
+            out[task] = {name: self.evaluate(m, [task])[task] for name, m in models.items()}
+        return out
 
     def featcal(self, merged, tasks, hparams: FeatCalHParams):
         adapter = adapter_class_for(self.base).from_hparams(hparams)
@@ -138,11 +163,16 @@ def subsets_of(spec: str, tasks) -> list:
             if unknown:
                 raise SystemExit(f"unknown task(s) {unknown} in --subsets; tasks: {', '.join(tasks)}")
             out.append(chosen)
-    return out
+    unique = []
+    for subset in out:  # e.g. with two tasks, "pairs" and "all" name the same subset
+        if subset not in unique:
+            unique.append(subset)
+    return unique
 
 
 def analyse(world: World, subsets, hparams: FeatCalHParams) -> dict:
     experts = {t: world.evaluate(world.experts[t], [t])[t] for t in world.tasks}
+    base = world.evaluate(world.base, world.tasks)
     rows = []
     for tasks in subsets:
         started = time.perf_counter()
@@ -151,7 +181,12 @@ def analyse(world: World, subsets, hparams: FeatCalHParams) -> dict:
         fc = world.evaluate(world.featcal(merged, tasks, hparams), tasks)
         recovery = {t: (fc[t] - ta[t]) / (experts[t] - ta[t]) if experts[t] - ta[t] > 0 else None for t in tasks}
         gap = statistics.fmean(experts[t] - ta[t] for t in tasks)
+        if len(tasks) == 2:  # what each task's vector alone costs the other one
+            a, b = tasks
+            cost = [base[a] - world.evaluate(world.task_arithmetic([b]), [a])[a],
+                    base[b] - world.evaluate(world.task_arithmetic([a]), [b])[b]]
         rows.append({
+            "pair_interference": statistics.fmean(cost) if len(tasks) == 2 else None,
             "tasks": tasks,
             "task_arithmetic": ta,
             "featcal": fc,
@@ -160,7 +195,7 @@ def analyse(world: World, subsets, hparams: FeatCalHParams) -> dict:
         })
         print(f"  {'+'.join(tasks)}: TA {statistics.fmean(ta.values()):.1f} FeatCal {statistics.fmean(fc.values()):.1f} "
               f"recovery {rows[-1]['average_recovery']} ({time.perf_counter() - started:.0f} s)", flush=True)
-    return {"experts": experts, "rows": rows}
+    return {"experts": experts, "base": base, "rows": rows}
 
 
 def markdown(results: dict) -> str:
@@ -186,23 +221,40 @@ def markdown(results: dict) -> str:
                if "others_only_task_arithmetic_average" in figures else "")
             + ".",
             "",
-            "| tasks | n tasks | TA | FeatCal | expert | recovery | base input overlap |",
-            "|---|---|---|---|---|---|---|",
         ]
+        if world.get("interference"):
+            columns = list(next(iter(world["interference"].values())))
+            lines += [
+                "Interference, per task (accuracy; vectors x 0.3):",
+                "",
+                "| task | " + " | ".join(columns) + " |",
+                "|---|" + "---|" * len(columns),
+            ]
+            lines += [f"| {t} | " + " | ".join(f"{v[c]:.1f}" for c in columns) + " |" for t, v in world["interference"].items()]
+            lines.append("")
+        lines += [
+            "| tasks | n tasks | TA | FeatCal | expert | recovery | pair interference (points) | base input overlap |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        def cell(value, fmt):
+            return "" if value is None else format(value, fmt)
+
         for row in world["rows"]:
             tasks = row["tasks"]
             overlap = world["overlap"].get("+".join(tasks)) if len(tasks) == 2 else None
-            rec = row["average_recovery"]
+            recovery = None if row["average_recovery"] is None else 100 * row["average_recovery"]
             lines.append(
                 f"| {' + '.join(tasks)} | {len(tasks)} | {statistics.fmean(row['task_arithmetic'].values()):.1f} | "
                 f"{statistics.fmean(row['featcal'].values()):.1f} | {statistics.fmean(world['experts'][t] for t in tasks):.1f} | "
-                f"{'' if rec is None else f'{100 * rec:.0f}%'} | {'' if overlap is None else f'{overlap:.3f}'} |"
+                f"{cell(recovery, '.0f')}{'%' if recovery is not None else ''} | {cell(row['pair_interference'], '.1f')} | "
+                f"{cell(overlap, '.3f')} |"
             )
         summary = world.get("summary")
         if summary:
-            lines += ["", "By subset size: " + "; ".join(f"{k} task(s): mean recovery {100 * v:.0f}%" for k, v in summary["by_size"].items())
-                      + (f". Pairs: correlation of recovery with input overlap {summary['pair_overlap_correlation']:+.2f}."
-                         if summary.get("pair_overlap_correlation") is not None else "")]
+            lines += ["", "By subset size: " + "; ".join(f"{k} task(s): mean recovery {100 * v:.0f}%" for k, v in summary["by_size"].items()) + "."]
+            for key, label in (("pair_interference_correlation", "pair interference"), ("pair_overlap_correlation", "input overlap")):
+                if summary.get(key) is not None:
+                    lines.append(f"Pairs: correlation of recovery with {label}: {summary[key]:+.2f}.")
     return "\n".join(lines) + "\n"
 
 
@@ -211,10 +263,16 @@ def summarise(world: dict) -> dict:
     for row in world["rows"]:
         if row["average_recovery"] is not None:
             by_size.setdefault(len(row["tasks"]), []).append(row["average_recovery"])
-    pairs = [(world["overlap"]["+".join(r["tasks"])], r["average_recovery"]) for r in world["rows"]
-             if len(r["tasks"]) == 2 and r["average_recovery"] is not None]
-    correlation = statistics.correlation(*zip(*pairs)) if len(pairs) > 2 else None
-    return {"by_size": {k: statistics.fmean(v) for k, v in sorted(by_size.items())}, "pair_overlap_correlation": correlation}
+    pairs = [r for r in world["rows"] if len(r["tasks"]) == 2 and r["average_recovery"] is not None]
+
+    def correlation(values):
+        return statistics.correlation(values, [r["average_recovery"] for r in pairs]) if len(pairs) > 2 else None
+
+    return {
+        "by_size": {k: statistics.fmean(v) for k, v in sorted(by_size.items())},
+        "pair_interference_correlation": correlation([r["pair_interference"] for r in pairs]),
+        "pair_overlap_correlation": correlation([world["overlap"]["+".join(r["tasks"])] for r in pairs]),
+    }
 
 
 def parse_variant(text: str):
@@ -273,6 +331,7 @@ def main(argv=None) -> int:
         entry = {"description": description, "figures": world.meta["figures"]}
         entry.update(analyse(world, subsets_of(args.subsets, world.tasks), hparams))
         entry["overlap"] = world.input_overlap(args.n, args.seed)
+        entry["interference"] = world.interference(args.seed)
         entry["summary"] = summarise(entry)
         results["worlds"][name] = entry
 

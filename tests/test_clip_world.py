@@ -119,3 +119,21 @@ def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mi
     logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("run.log")}
     subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
     assert {p: p.stat().st_mtime_ns for p in logs} == logs
+
+
+def test_ablation_reports_single_and_joint_recovery_interference_and_overlap(mini_world, tmp_path):
+    worlds, _ = mini_world
+    env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "ablation"
+    command = [sys.executable, str(REPO / "scripts" / "world_ablation.py"), "--n", "8", "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    world = json.loads(out.with_suffix(".json").read_text())["worlds"]["clip"]
+    assert [row["tasks"] for row in world["rows"]] == [["mnist"], ["textile"], ["mnist", "textile"]]
+    pair = world["rows"][-1]
+    assert pair["pair_interference"] is not None and set(pair["featcal"]) == {"mnist", "textile"}
+    assert 0.0 <= world["overlap"]["mnist+textile"] <= 1.0 + 1e-9
+    assert set(world["interference"]["mnist"]) == {"base", "base + others", "base + random, same norms", "base + own"}
+    # the base row of the interference table is the same model as the references' zero-shot row
+    assert world["interference"]["mnist"]["base"] == world["base"]["mnist"]
+    assert "| mnist + textile | 2 |" in out.with_suffix(".md").read_text()

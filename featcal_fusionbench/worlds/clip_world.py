@@ -54,7 +54,7 @@ class CLIPWorldSpec:
     text_width: int = 128
     text_layers: int = 2
     projection_dim: int = 128
-    pretrain_fraction: float = 0.5  # share of each task's train images in the pretraining mix
+    pretrain_fraction: float = 1.0  # share of each task's train images in the pretraining mix (never a test image)
     # Share of pretraining captions that name the image's class; the others name only its domain ("a handwritten
     # digit"), as web alt-texts rarely name a benchmark's classes. This is what keeps zero-shot weak.
     caption_class_share: float = 0.2
@@ -228,7 +228,9 @@ def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
                 caption_ids.append(1000 * t_index + label)
             else:
                 captions.append(template.format(DOMAINS[t_spec.source]))
-                caption_ids.append(1000 * t_index + 999)  # one id per domain caption
+                # one id per task's domain caption; the two clip-art tasks share a phrase but not an id, so their
+                # domain captions count as negatives of each other (kept: the built world's figures depend on it)
+                caption_ids.append(1000 * t_index + 999)
     clip_model = CLIPModel(_clip_config(spec))
     losses = pretrain_clip(
         clip_model, tokenizer, torch.cat(mix_pixels), captions, torch.tensor(caption_ids),
