@@ -45,13 +45,18 @@ CALIBRATORS = {"featcal": "FeatCal", "surgery": "Surgery", "probsurgery": "ProbS
 EXTRA = {"adamerging": ["method.upstream.algorithm_config.num_workers=0"]}
 
 
+RUNS = {"ran": 0, "resumed": 0}
+
+
 def run_fusion_bench(run_dir: Path, args: list) -> dict:
     """One CLI run in its own folder; returns its program report (cached by command)."""
     command = [FUSION_BENCH, *args, "path.log_dir=."]
     report_path, command_path = run_dir / "program_report.json", run_dir / "command.txt"
     text = shlex.join(command[1:])
     if report_path.is_file() and command_path.is_file() and command_path.read_text() == text:
+        RUNS["resumed"] += 1
         return json.loads(report_path.read_text())
+    RUNS["ran"] += 1
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path.unlink(missing_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -80,7 +85,9 @@ def markdown(results: dict) -> str:
         f"# Results on the offline world `{results['subset']}`",
         "",
         f"Command: `{results['command']}`  ",
-        f"Machine: {results['machine']}; date: {results['date']}; wall time {results['wall_seconds'] / 60:.1f} min.  ",
+        f"Machine: {results['machine']}; date: {results['date']}; wall time of the last invocation "
+        f"{results['wall_seconds'] / 60:.1f} min, which ran {results['runs']['ran']} runs and took "
+        f"{results['runs']['resumed']} from earlier (interrupted) invocations.  ",
         f"FeatCal settings: the paper's CLIP values (`method=featcal/clip_<upstream>`: lambda 0.05, rho 2.0, alpha 0.3), "
         f"n = {results['n']} calibration examples per task from each task's train split, seed {results['seed']}.  ",
         f"Surgery and ProbSurgery: the paper's defaults (`method=<name>/clip_<upstream>`: Adam, lr 1e-3, "
@@ -95,7 +102,7 @@ def markdown(results: dict) -> str:
 
     def row(name, accs, cost=None):
         cells = " | ".join(f"{accs[t]:.1f}" for t in [*tasks, "average"])
-        extra = " | |" if cost is None else f" | {cost['seconds']:.1f} | {cost['peak_rss_bytes'] / 2**30:.2f} |"
+        extra = " | | |" if cost is None else f" | {cost['seconds']:.1f} | {cost['peak_rss_bytes'] / 2**30:.2f} |"
         return f"| {name} | {cells}{extra}"
 
     lines.append(row("Pretrained (zero-shot)", results["references"]["pretrained"]))
@@ -255,6 +262,7 @@ def main(argv=None) -> int:
         }
         results["png"] = out.with_suffix(".png").name
     results["wall_seconds"] = time.perf_counter() - started
+    results["runs"] = dict(RUNS)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     if sweep_n:
