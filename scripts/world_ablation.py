@@ -78,7 +78,8 @@ class World:
         return self.perturbed(self.task_vector_sum(tasks, scale))
 
     def task_vector_sum(self, tasks, scale: float = 0.3) -> dict:
-        return {k: scale * sum(self.experts[t].state_dict()[k] - v for t in tasks) for k, v in self.base.state_dict().items()}
+        states = [self.experts[t].state_dict() for t in tasks]  # once per expert, not once per parameter
+        return {k: scale * sum(s[k] - v for s in states) for k, v in self.base.state_dict().items()}
 
     def perturbed(self, delta: dict):
         model = copy.deepcopy(self.base)
