@@ -116,3 +116,51 @@ def independent_layernorm_solve(x_cal, ln_eps, gammas, betas, g_anc, b_anc, lam)
         sol = torch.linalg.lstsq(torch.cat(rows_a), torch.cat(rows_b), driver="gelsd").solution[:, 0]
         gamma[k], beta[k] = sol
     return gamma, beta
+
+
+# ---- tiny T5 (FLAN-T5's layout: gated-GELU, untied head, relative position bias) ------------------------
+
+
+def tiny_t5(seed: int = 0, layers: int = 2, d_model: int = 32):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=64, d_model=d_model, d_kv=8, d_ff=48, num_layers=layers, num_decoder_layers=layers,
+        num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random T5LayerNorm scales start at 1: spread them so norm updates are testable
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def t5_batch(lengths, target_lengths, pad_to: int = 0, target_pad_to: int = 0, seed: int = 0, vocab: int = 64):
+    """Right-padded inputs and -100-padded labels of the given per-example lengths."""
+    g = torch.Generator().manual_seed(seed)
+    source = max(max(lengths), pad_to)
+    target = max(max(target_lengths), target_pad_to)
+    input_ids = torch.zeros(len(lengths), source, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full((len(lengths), target), -100, dtype=torch.long)
+    for i, (n, m) in enumerate(zip(lengths, target_lengths)):
+        input_ids[i, :n] = torch.randint(2, vocab, (n,), generator=g)
+        attention_mask[i, :n] = 1
+        labels[i, :m] = torch.randint(2, vocab, (m,), generator=g)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def tiny_t5_world(num_tasks: int = 2, seed: int = 0, batches: int = 2, pad_to: int = 0, target_pad_to: int = 0):
+    base = tiny_t5(seed)
+    experts = {f"task{i}": perturbed(base, 0.05, seed + 10 + i) for i in range(num_tasks)}
+    merged = task_arithmetic(base, list(experts.values()), 0.3)
+    data = {}
+    for i, task in enumerate(experts):
+        data[task] = [
+            t5_batch([5 + b, 9, 3 + i], [2, 4 + b, 3], pad_to, target_pad_to, seed=100 * i + b) for b in range(batches)
+        ]
+    return base, experts, merged, data

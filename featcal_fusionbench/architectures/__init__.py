@@ -8,8 +8,9 @@ from torch import nn
 
 from .base import LAYERNORM, LINEAR, RMSNORM, UNIFORM, ArchitectureAdapter
 from .clip_vision import CLIPVisionAdapter
+from .t5 import T5Adapter
 
-ADAPTERS: List[Type[ArchitectureAdapter]] = [CLIPVisionAdapter]
+ADAPTERS: List[Type[ArchitectureAdapter]] = [CLIPVisionAdapter, T5Adapter]
 
 
 def register_adapter(adapter_cls: Type[ArchitectureAdapter]) -> Type[ArchitectureAdapter]:
@@ -34,6 +35,7 @@ __all__ = [
     "LAYERNORM",
     "LINEAR",
     "RMSNORM",
+    "T5Adapter",
     "UNIFORM",
     "adapter_class_for",
     "register_adapter",

@@ -1,0 +1,176 @@
+"""FeatCal on tiny T5 models: the block walk, padding, forward order, and the closed forms."""
+
+import copy
+
+import pytest
+import torch
+
+from featcal_fusionbench.architectures import T5Adapter, adapter_class_for
+from featcal_fusionbench.architectures.t5 import trim_padding
+from featcal_fusionbench.engine import FeatCalEngine
+from featcal_fusionbench.hparams import FeatCalHParams
+
+from helpers import independent_linear_solve, t5_batch, tiny_t5, tiny_t5_world
+
+ENC_LINEARS = ["layer.0.SelfAttention." + m for m in "qkvo"] + ["layer.1.DenseReluDense." + m for m in ("wi_0", "wi_1", "wo")]
+DEC_LINEARS = (
+    ["layer.0.SelfAttention." + m for m in "qkvo"]
+    + ["layer.1.EncDecAttention." + m for m in "qkvo"]
+    + ["layer.2.DenseReluDense." + m for m in ("wi_0", "wi_1", "wo")]
+)
+CROSS_KV = {"layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v"}
+
+
+def walk(model, batch):
+    """Run the adapter's block walk; return the input of every block and the final decoder state."""
+    adapter = T5Adapter()
+    hidden, meta = adapter.embed(model, batch)
+    inputs = []
+    for index, block in enumerate(adapter.blocks(model)):
+        hidden, meta = adapter.enter_block(model, index, hidden, meta)
+        inputs.append(hidden)
+        hidden = adapter.run_block(block, hidden, meta)
+    return inputs, model.decoder.final_layer_norm(hidden)
+
+
+def calibrate(merged, base, experts, data, **overrides):
+    hp = FeatCalHParams(**{"num_calibration_examples": 6, "batch_size": 3, **overrides})
+    engine = FeatCalEngine(T5Adapter(), hp, "cpu", progress=False)
+    report = engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})
+    return merged, report
+
+
+def test_the_adapter_is_chosen_for_t5_and_walks_encoder_then_decoder():
+    model = tiny_t5()
+    assert adapter_class_for(model) is T5Adapter
+    blocks = T5Adapter().blocks(model)
+    assert blocks == list(model.encoder.block) + list(model.decoder.block)
+
+
+def test_the_block_walk_reproduces_the_model_forward_with_padding():
+    model = tiny_t5()
+    batch = t5_batch([7, 3, 5], [4, 1, 3], pad_to=9, target_pad_to=6)
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        inputs, final = walk(model, batch)
+    layers = model.config.num_layers
+    for i in range(layers):
+        torch.testing.assert_close(inputs[i], out.encoder_hidden_states[i], msg=f"encoder block {i} input")
+    for j in range(model.config.num_decoder_layers):
+        torch.testing.assert_close(inputs[layers + j], out.decoder_hidden_states[j], msg=f"decoder block {j} input")
+    torch.testing.assert_close(final, out.decoder_hidden_states[-1])
+
+
+def test_trim_padding_drops_only_columns_that_are_padding_everywhere():
+    padded = t5_batch([4, 2], [3, 1], pad_to=10, target_pad_to=8)
+    trimmed = trim_padding(padded)
+    assert trimmed["input_ids"].shape == (2, 4) and trimmed["labels"].shape == (2, 3)
+    torch.testing.assert_close(trimmed["input_ids"], padded["input_ids"][:, :4])
+    with pytest.raises(ValueError, match="no target tokens"):
+        trim_padding({**padded, "labels": torch.full_like(padded["labels"], -100)})
+
+
+def test_extra_padding_leaves_the_calibrated_weights_unchanged():
+    """Padding enters no moment: the same examples with many more pad columns (not trimmed) give the
+    same calibrated model, RMSNorm scales included."""
+    results = []
+    for pad_to, target_pad_to in ((0, 0), (25, 12)):
+        base, experts, merged, data = tiny_t5_world(pad_to=pad_to, target_pad_to=target_pad_to)
+        calibrated, _ = calibrate(merged, base, experts, data, calibrate_layernorm=True, accumulation_dtype="float64")
+        results.append(calibrated.state_dict())
+    assert results[0].keys() == results[1].keys()
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _module_inputs(model, stack, index, names, batches):
+    """Inputs of one block's modules over all batches from HF's own forward, valid tokens only:
+    encoder tokens for encoder blocks and cross-attention k/v, target tokens for the decoder otherwise."""
+    modules = dict(getattr(model, stack).block[index].named_modules())
+    collected = {n: [] for n in names}
+    masks = []
+    handles = [
+        modules[n].register_forward_pre_hook(lambda _m, args, n=n: collected[n].append(args[0].detach()))
+        for n in names
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+            masks.append(batch)
+    for handle in handles:
+        handle.remove()
+    result = {}
+    for name, tensors in collected.items():
+        rows = []
+        for x, batch in zip(tensors, masks):
+            encoder_side = stack == "encoder" or name in CROSS_KV
+            mask = batch["attention_mask"].bool() if encoder_side else batch["labels"] != -100
+            rows.append(x[mask])
+        result[name] = torch.cat(rows).double()
+    return result
+
+
+@pytest.mark.parametrize("stack,index", [("encoder", 0), ("encoder", 1), ("decoder", 0), ("decoder", 1)])
+def test_each_block_is_fitted_on_the_calibrated_prefix_encoder_first(stack, index):
+    """Block l's weights equal an independent least-squares solve on the valid tokens that the *final* model
+    feeds block l, with block l itself still merged: every decoder block therefore sees the calibrated encoder
+    (and each expert its own encoder) through cross-attention. RMSNorm scales: the scale-only Eq. 57."""
+    base, experts, merged, data = tiny_t5_world()
+    original = copy.deepcopy(merged)
+    lam, rho, alpha = 0.05, 2.0, 0.6
+    calibrated, report = calibrate(
+        merged, base, experts, data, lambda_=lam, rho=rho, alpha=alpha, calibrate_layernorm=True,
+        accumulation_dtype="float64",
+    )
+    num_encoder = merged.config.num_layers
+    assert all(m.startswith("encoder.block.") for b in report["blocks"][:num_encoder] for m in b["modules"])
+    assert all(m.startswith("decoder.block.") for b in report["blocks"][num_encoder:] for m in b["modules"])
+
+    def blk(model):
+        return getattr(model, stack).block[index]
+
+    snapshot = copy.deepcopy(calibrated)
+    blk(snapshot).load_state_dict(blk(original).state_dict())
+    linears = ENC_LINEARS if stack == "encoder" else DEC_LINEARS
+    norms = [n for n, m in blk(original).named_modules() if type(m).__name__ == "T5LayerNorm"]
+    tasks = list(experts)
+    x_cal = {t: _module_inputs(snapshot, stack, index, linears + norms, data[t]) for t in tasks}
+    x_exp = {t: _module_inputs(experts[t], stack, index, linears, data[t]) for t in tasks}
+    mer, bas, got = (dict(blk(m).named_modules()) for m in (original, base, calibrated))
+    for name in linears:
+        w_exp = [dict(blk(experts[t]).named_modules())[name].weight for t in tasks]
+        w_anc = rho * mer[name].weight + (1 - rho) * bas[name].weight
+        weight, _ = independent_linear_solve(
+            [x_cal[t][name] for t in tasks], [x_exp[t][name] for t in tasks], w_exp, None, w_anc, None, lam, alpha, 1e-8
+        )
+        torch.testing.assert_close(got[name].weight.double(), weight, rtol=1e-4, atol=1e-5, msg=f"{stack}.{index}.{name}")
+    for name in norms:
+        eps = mer[name].variance_epsilon
+        gammas = [dict(blk(experts[t]).named_modules())[name].weight.double() for t in tasks]
+        anchor = (rho * mer[name].weight + (1 - rho) * bas[name].weight).double()
+        gamma = torch.empty_like(anchor)
+        for k in range(anchor.numel()):  # per coordinate: sum_i mean_tokens (g z - g_i z)^2 + lam (g - anchor)^2
+            rows_a, rows_b = [], []
+            for t, g_i in zip(tasks, gammas):
+                x = x_cal[t][name]
+                z = x[:, k] / x.pow(2).mean(-1).add(eps).sqrt()
+                s = (1.0 / z.shape[0]) ** 0.5
+                rows_a.append(s * z[:, None])
+                rows_b.append(s * g_i[k] * z[:, None])
+            rows_a.append(torch.full((1, 1), lam**0.5, dtype=torch.float64))
+            rows_b.append(lam**0.5 * anchor[k].reshape(1, 1))
+            gamma[k] = torch.linalg.lstsq(torch.cat(rows_a), torch.cat(rows_b)).solution[0, 0]
+        torch.testing.assert_close(got[name].weight.double(), gamma, rtol=1e-4, atol=1e-5, msg=f"{stack}.{index}.{name}")
+
+
+def test_norms_stay_merged_when_norm_calibration_is_off():
+    base, experts, merged, data = tiny_t5_world()
+    original = copy.deepcopy(merged)
+    calibrated, report = calibrate(merged, base, experts, data, calibrate_layernorm=False)
+    state = original.state_dict()
+    for name, p in calibrated.named_parameters():
+        if "layer_norm" in name or "relative_attention_bias" in name or "shared" in name or "lm_head" in name:
+            torch.testing.assert_close(p, state[name], msg=name)
+    assert not any("layer_norm" in m for b in report["blocks"] for m in b["modules"])
+    drift = report["blocks"][-1]["drift"]
+    assert all(d["after"]["l2"] < d["before"]["l2"] for d in drift.values())
