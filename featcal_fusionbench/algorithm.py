@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
@@ -28,9 +28,11 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     ``_merged_``, else the nested ``upstream`` method run on the pool; the
     pool's ``_pretrained_`` is the base and its other models are the experts,
     each calibrated on ``num_calibration_examples`` examples of its own task's
-    train split. Returns the calibrated model (same class, keys and shapes as
-    the merged one), or with ``return_upstream`` a dict that FusionBench
-    evaluates as two models: ``{"upstream": ..., "featcal": ...}``.
+    train split, or of ``calibration_datasets[task]`` (a dataset config) where
+    given: FusionBench's FLAN-T5 GLUE pools have no train splits. Returns the
+    calibrated model (same class, keys and shapes as the merged one), or with
+    ``return_upstream`` a dict that FusionBench evaluates as two models:
+    ``{"upstream": ..., "featcal": ...}``.
     """
 
     method_name = "FeatCal"
@@ -53,6 +55,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         accumulation_dtype: str = "float32",
         track_upstream_drift: bool = False,
         return_upstream: bool = False,
+        calibration_datasets: Optional[Mapping[str, Any]] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -72,7 +75,9 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             adapter = adapter_class_for(base).from_hparams(hp)
             plan_blocks(adapter, base, hp)
         with self.profile("load calibration data"):
-            datasets = select_calibration_data(modelpool, tasks, hp.num_calibration_examples, hp.seed)
+            datasets = select_calibration_data(
+                modelpool, tasks, hp.num_calibration_examples, hp.seed, calibration_datasets=self.calibration_datasets
+            )
             # Several devices: each rank streams a disjoint shard of every task; the moment sums are
             # all-reduced before each solve, so every rank solves the same systems.
             world_size, rank = self.fabric.world_size, self.fabric.global_rank

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import zlib
-from typing import Dict, List, Sequence
+from collections.abc import Mapping
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from torch.utils.data import Subset
@@ -28,27 +29,42 @@ def _subset(dataset, indices: Sequence[int]):
 SPLITS = ("train", "test")
 
 
-def check_splits(modelpool, tasks: Sequence[str], split: str = "train") -> None:
-    """Every task needs the calibration split in the pool (labels are not used)."""
+def check_splits(
+    modelpool, tasks: Sequence[str], split: str = "train", calibration_datasets: Optional[Mapping] = None
+) -> None:
+    """Every task needs calibration examples: an entry of ``calibration_datasets``, else the pool's split."""
     if split not in SPLITS:
         raise ValueError(f"the calibration split must be one of {SPLITS}, got {split!r}")
+    if calibration_datasets is not None and not isinstance(calibration_datasets, Mapping):
+        raise TypeError(f"calibration_datasets must map task names to dataset configs, got {calibration_datasets!r}")
     available = list(getattr(modelpool, f"{split}_dataset_names"))
-    missing = [t for t in tasks if t not in available]
+    missing = [t for t in tasks if t not in available and t not in (calibration_datasets or {})]
     if missing:
         raise ValueError(
-            f"task(s) {missing} have no {split} split in the model pool; calibration examples come "
-            f"from `{split}_datasets` (the pool lists: {available or 'none'})"
+            f"task(s) {missing} have no calibration examples: the model pool has no {split} split for them "
+            f"(its `{split}_datasets` list: {available or 'none'}) and `calibration_datasets` has no entry "
+            f"(it lists: {list(calibration_datasets or {}) or 'none'})"
         )
 
 
+def load_calibration_dataset(modelpool, task: str, split: str, calibration_datasets: Optional[Mapping]):
+    """``calibration_datasets[task]`` (a dataset config, instantiated) when given, else the pool's split."""
+    if calibration_datasets is not None and task in calibration_datasets:
+        from fusion_bench.utils import instantiate
+
+        return instantiate(calibration_datasets[task])
+    return getattr(modelpool, f"load_{split}_dataset")(task)
+
+
 def select_calibration_data(
-    modelpool, tasks: Sequence[str], num_examples: int, seed: int, split: str = "train"
+    modelpool, tasks: Sequence[str], num_examples: int, seed: int, split: str = "train",
+    calibration_datasets: Optional[Mapping] = None,
 ) -> Dict[str, object]:
-    """Load each task's split and keep exactly ``num_examples`` seeded examples."""
-    check_splits(modelpool, tasks, split)
+    """Load each task's calibration examples and keep exactly ``num_examples`` seeded ones."""
+    check_splits(modelpool, tasks, split, calibration_datasets)
     selected = {}
     for task in tasks:
-        dataset = getattr(modelpool, f"load_{split}_dataset")(task)
+        dataset = load_calibration_dataset(modelpool, task, split, calibration_datasets)
         available = len(dataset)
         if available < num_examples:
             raise ValueError(

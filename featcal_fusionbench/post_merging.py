@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class PostMergingMixin:
-    """Needs ``upstream`` and ``merged_model_path`` attributes, and LightningFabricMixin's ``fabric``."""
+    """Needs ``upstream`` and ``merged_model_path`` attributes (``calibration_datasets`` optional), and
+    LightningFabricMixin's ``fabric``."""
 
     method_name = "post-merging"
 
@@ -39,7 +40,7 @@ class PostMergingMixin:
         if not tasks:
             raise ValueError("the model pool has no expert models besides `_pretrained_`")
         check_upstream_source(modelpool, self.upstream, self.merged_model_path)
-        check_splits(modelpool, tasks, split)
+        check_splits(modelpool, tasks, split, getattr(self, "calibration_datasets", None))
         return tasks
 
     def load_base_and_experts(self, modelpool, tasks) -> Tuple[nn.Module, Dict[str, nn.Module]]:

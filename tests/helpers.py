@@ -121,12 +121,12 @@ def independent_layernorm_solve(x_cal, ln_eps, gammas, betas, g_anc, b_anc, lam)
 # ---- tiny T5 (FLAN-T5's layout: gated-GELU, untied head, relative position bias) ------------------------
 
 
-def tiny_t5(seed: int = 0, layers: int = 2, d_model: int = 32):
+def tiny_t5(seed: int = 0, layers: int = 2, d_model: int = 32, vocab: int = 64):
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
     config = T5Config(
-        vocab_size=64, d_model=d_model, d_kv=8, d_ff=48, num_layers=layers, num_decoder_layers=layers,
+        vocab_size=vocab, d_model=d_model, d_kv=8, d_ff=48, num_layers=layers, num_decoder_layers=layers,
         num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
         relative_attention_num_buckets=8, relative_attention_max_distance=16,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,

@@ -128,7 +128,18 @@ def test_expert_with_another_architecture_is_named(toy_world, tmp_path, odd, mes
 def test_task_without_train_split_is_named(toy_world, tmp_path):
     pool = load_pool(toy_world)
     del pool._train_datasets["toy_1"]
-    _expect_early_failure(pool, r"\['toy_1'\] have no train split", tmp_path)
+    _expect_early_failure(pool, r"\['toy_1'\] have no calibration examples: the model pool has no train split", tmp_path)
+
+
+def test_calibration_datasets_stand_in_for_a_missing_train_split(toy_world):
+    """FusionBench's FLAN-T5 pools carry no train splits: a dataset config per task supplies them."""
+    pool = load_pool(toy_world)
+    config = copy.deepcopy(OmegaConf.load(toy_world["modelpool"]).train_datasets["toy_1"])
+    del pool._train_datasets["toy_1"]
+    reference = make(upstream=TA).run(load_pool(toy_world))
+    calibrated = make(upstream=TA, calibration_datasets={"toy_1": config, "unused_task": config}).run(pool)
+    for (name, p), q in zip(calibrated.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
 
 
 def test_too_few_examples_says_how_many(toy_world, tmp_path):

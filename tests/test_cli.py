@@ -47,15 +47,25 @@ def fusion_bench_config_dir():
     GlobalHydra.instance().clear()
 
 
+POOLS = {
+    "clip": ["modelpool=CLIPVisionModelPool/clip-vit-base-patch32_TA8", "taskpool=CLIPVisionModelTaskPool/clip-vit-classification_TA8"],
+    "flan_t5": ["modelpool=Seq2SeqLMPool/flan-t5-base_glue", "taskpool=flan-t5_glue_text_generation_average"],
+    "flan_t5_large": ["modelpool=Seq2SeqLMPool/flan-t5-large_glue_lora16", "taskpool=flan-t5_glue_text_generation_average"],
+}
+GLUE_TASKS = [f"glue-{t}" for t in ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb")]
+
+
+def family(name):
+    setting = name.split("/")[-1]
+    return "flan_t5_large" if setting.startswith("flan_t5_large") else "flan_t5" if setting.startswith("flan_t5") else "clip"
+
+
 def compose_method(name):
-    cfg = compose(
-        "fabric_model_fusion",
-        overrides=[
-            f"method={name}",
-            "modelpool=CLIPVisionModelPool/clip-vit-base-patch32_TA8",
-            "taskpool=CLIPVisionModelTaskPool/clip-vit-classification_TA8",
-        ],
-    )
+    cfg = compose("fabric_model_fusion", overrides=[f"method={name}", *POOLS[family(name)]])
+    if family(name) != "clip":  # the pools name their experts as the calibration datasets do
+        assert sorted(cfg.modelpool.models) == ["_pretrained_", *GLUE_TASKS]
+        assert sorted(cfg.method.calibration_datasets) == GLUE_TASKS
+        assert sorted(cfg.taskpool.test_datasets) == GLUE_TASKS
     method = OmegaConf.to_container(cfg.method, resolve=True)
     assert method["upstream"]["_target_"].startswith("fusion_bench.method.")
     assert method["num_calibration_examples"] == 256
@@ -69,8 +79,9 @@ def compose_method(name):
 
 def test_there_are_featcal_surgery_and_probsurgery_configs_for_every_upstream():
     for method in ("featcal", "surgery", "probsurgery"):
-        for upstream in ("clip_ta", "clip_simple_average", "clip_adamerging", "clip_wudi"):
+        for upstream in ("clip_ta", "clip_simple_average", "clip_adamerging", "clip_wudi", "flan_t5_ta"):
             assert f"{method}/{upstream}" in METHOD_CONFIGS
+    assert "featcal/flan_t5_large_ta" in METHOD_CONFIGS
 
 
 @pytest.mark.parametrize("name", [n for n in METHOD_CONFIGS if n.startswith("featcal")])
@@ -79,7 +90,8 @@ def test_every_featcal_config_composes_with_the_paper_settings(fusion_bench_conf
     assert target == "featcal_fusionbench.FeatCalAlgorithm"
     paper = {"lambda_": 0.05, "rho": 2.0, "alpha": 0.3, "last_block_patch_token_weight": 1.0}
     demo = {"lambda_": 0.05, "rho": 2.2, "alpha": 0.25, "last_block_patch_token_weight": 0.01}
-    expected = demo if name.endswith("_demo") else paper
+    flan_t5 = {"lambda_": 1e-5, "rho": 2.0, "alpha": 0.6, "calibrate_bias": True, "calibrate_layernorm": False}
+    expected = demo if name.endswith("_demo") else paper if family(name) == "clip" else flan_t5
     assert {k: method[k] for k in expected} == expected
 
 

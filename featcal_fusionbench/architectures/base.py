@@ -22,6 +22,15 @@ RMSNORM = "rmsnorm"
 UNIFORM = "uniform"  # token-weight profile meaning "every token has weight 1"
 
 
+def to_device(inputs: Any, device: torch.device) -> Any:
+    """A tensor, or a dict of them (nested), on ``device``."""
+    if isinstance(inputs, Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: to_device(v, device) for k, v in inputs.items()}
+    return inputs
+
+
 class ArchitectureAdapter(ABC):
     """How FeatCal walks one model family in forward order."""
 
@@ -90,11 +99,7 @@ class ArchitectureAdapter(ABC):
         return None
 
     def inputs_to(self, inputs: Any, device: torch.device) -> Any:
-        if isinstance(inputs, Tensor):
-            return inputs.to(device)
-        if isinstance(inputs, dict):
-            return {k: self.inputs_to(v, device) for k, v in inputs.items()}
-        return inputs
+        return to_device(inputs, device)
 
     def valid_token_mask(self, meta: Any, hidden: Tensor) -> Optional[Tensor]:
         """Tokens that exist (not padding), for drift metrics; None means all."""

@@ -25,6 +25,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from .base import LINEAR, RMSNORM, ArchitectureAdapter
 
+COLUMNS = ("input_ids", "attention_mask", "labels")
 IGNORE_INDEX = -100  # label padding in FusionBench's FLAN-T5 data (and HF's convention)
 STREAM_TOKENS = "stream-tokens"  # the tokens of the stack the block belongs to
 ENCODER_TOKENS = "encoder-tokens"  # cross-attention keys/values read encoder tokens
@@ -129,17 +130,23 @@ class T5Adapter(ArchitectureAdapter):
         return meta.token_mask
 
     def make_input_batches(self, modelpool, dataset, batch_size: int) -> Iterable[Dict[str, Tensor]]:
-        columns = getattr(dataset, "column_names", None)
-        if columns is not None and not {"input_ids", "attention_mask", "labels"} <= set(columns):
-            raise ValueError(
-                "T5 calibration examples need `input_ids`, `attention_mask` and `labels` (teacher forcing on the "
-                f"targets); the dataset has {columns}"
-            )
-        if columns is not None:
-            dataset = dataset.select_columns(["input_ids", "attention_mask", "labels"])
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=default_data_collator)
+        loader = DataLoader(
+            teacher_forcing_columns(dataset), batch_size=batch_size, shuffle=False, collate_fn=default_data_collator
+        )
         for batch in loader:
             yield trim_padding(batch)
+
+
+def teacher_forcing_columns(dataset):
+    """The dataset restricted to the columns a teacher-forced forward reads; an error names any that is missing."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        return dataset
+    if not set(COLUMNS) <= set(columns):
+        raise ValueError(
+            f"T5 calibration examples need {list(COLUMNS)} (teacher forcing on the targets); the dataset has {columns}"
+        )
+    return dataset.select_columns(list(COLUMNS))
 
 
 def trim_padding(batch: Dict[str, Tensor]) -> Dict[str, Tensor]:

@@ -11,23 +11,22 @@ native test-time adaptation).
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
-from fusion_bench.dataset.image_dataset import ImageClassificationDataset
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..architectures.base import to_device
 from ..data import SPLITS, select_calibration_data
 from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
+from .sites import feature_site
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         precompute_features: bool = False,
         eval_iterations: Optional[int] = None,
         return_upstream: bool = False,
+        calibration_datasets: Optional[Mapping[str, Any]] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -80,42 +80,26 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
 
     # ---- the shared loop -------------------------------------------------------------------------
 
-    def _feature_fn(self, projection: nn.Module):
-        def features(model: nn.Module, images: Tensor) -> Tensor:
-            embeds = projection(model(images)[1])
-            return embeds / embeds.norm(p=2, dim=-1, keepdim=True)
-
-        return features
-
-    def _image_batches(self, dataset, processor, task_index: int) -> Iterator[Tensor]:
-        """Endless seeded, shuffled batches of one task's capped calibration set; with
-        ``precompute_features``, one ordered pass over it instead."""
-        images = ImageClassificationDataset(dataset, processor)
-        if self.precompute_features:
-            return (x for x, _ in DataLoader(images, batch_size=self.batch_size))
-        generator = torch.Generator().manual_seed(self.seed + task_index)
-        loader = DataLoader(
-            images, batch_size=self.batch_size, shuffle=True, generator=generator,
-            drop_last=len(dataset) >= self.batch_size,
-        )
-        return (x for _ in itertools.count() for x, _ in loader)
-
-    def feature_stream(self, features, merged, expert, images: Iterator[Tensor], task_index: int) -> Iterator[tuple]:
+    def feature_stream(self, site, merged, expert, dataset, task_index: int) -> Iterator[tuple]:
         """(merged feature, expert feature) batches: streamed through both models every step (the
-        originals' way), or with ``precompute_features`` computed once over ``images`` (one pass) and resampled."""
+        originals' way; seeded shuffled batches of the capped calibration set, recycled), or with
+        ``precompute_features`` computed once in one ordered pass and resampled (rows: images, or
+        target tokens for T5)."""
         device = self.fabric.device
+        seed = self.seed + task_index
 
-        def pair(x):
-            x = x.to(device)
+        def pair(inputs):
+            inputs = to_device(inputs, device)
             with torch.no_grad():
-                return features(merged, x), features(expert, x)
+                return site.features(merged, inputs), site.features(expert, inputs)
 
+        batches = site.batches(dataset, self.batch_size, shuffle=not self.precompute_features, seed=seed)
         if not self.precompute_features:
-            return (pair(x) for x in images)
-        pairs = [pair(x) for x in images]
+            return (pair(x) for x in batches)
+        pairs = [pair(x) for x in batches]
         merged_f = torch.cat([p[0] for p in pairs])
         expert_f = torch.cat([p[1] for p in pairs])
-        generator = torch.Generator().manual_seed(self.seed + task_index)
+        generator = torch.Generator().manual_seed(seed)
         size = min(self.batch_size, len(merged_f))
 
         def resample():
@@ -125,8 +109,11 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
 
         return resample()
 
-    def train(self, wrapper: nn.Module, streams: Dict[str, Iterator[tuple]]) -> Dict[str, List[float]]:
-        """The calibration stage: ``max_steps`` iterations, one Adam step per task; returns losses."""
+    def train(
+        self, wrapper: nn.Module, streams: Dict[str, Iterator[tuple]], deployed: Optional[nn.Module] = None
+    ) -> Dict[str, List[float]]:
+        """The calibration stage: ``max_steps`` iterations, one Adam step per task; returns losses.
+        ``deployed`` is what ``eval_iterations`` evaluates (the wrapper as the task pool sees it)."""
         tasks = list(streams)
         optimizer = torch.optim.Adam(
             wrapper.collect_trainable_params(), lr=self.lr, betas=(0.9, 0.999), weight_decay=0.0
@@ -148,7 +135,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
                 self.log_metrics({f"{self.method_name}/loss/{t}": history[t][-1] for t in tasks}, step)
             if self.eval_iterations and (step + 1) % self.eval_iterations == 0 and getattr(self, "_program", None):
                 wrapper.eval()
-                self._program.evaluate_merged_model(self._program.taskpool, wrapper)
+                self._program.evaluate_merged_model(self._program.taskpool, deployed or wrapper)
                 wrapper.train()
                 wrapper.model.eval()
         wrapper.eval()
@@ -160,13 +147,12 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         tasks = self.check_pool(modelpool, self.calibration_split)
         with self.profile("load models"):
             base, experts = self.load_base_and_experts(modelpool, tasks)
-            projection = copy.deepcopy(modelpool.load_clip_model("_pretrained_").visual_projection)
-            projection.requires_grad_(False)
+            site = feature_site(modelpool, base)
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
-                modelpool, tasks, self.num_calibration_examples, self.seed, self.calibration_split
+                modelpool, tasks, self.num_calibration_examples, self.seed, self.calibration_split,
+                self.calibration_datasets,
             )
-            processor = modelpool.load_processor()
         with self.profile("upstream merge"):
             merged, source = self.load_merged(modelpool, base, experts)
         del base
@@ -174,21 +160,19 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
 
         device = self.fabric.device
         torch.manual_seed(self.seed)  # wrapper initialisation and ProbSurgery's noise
-        wrapper = self.build_wrapper(merged, tasks, projection.out_features).to(device)
-        projection.to(device)
+        wrapper = self.build_wrapper(merged, tasks, site.dim).to(device)
+        deployed = site.deploy(wrapper)
+        site.to(device)
         for expert in experts.values():
             expert.requires_grad_(False).eval().to(device)
-        features = self._feature_fn(projection)
 
         started = time.perf_counter()
         with self.profile("calibration"):
             streams = {
-                task: self.feature_stream(
-                    features, wrapper.model, experts[task], self._image_batches(datasets[task], processor, i), i
-                )
+                task: self.feature_stream(site, wrapper.model, experts[task], datasets[task], i)
                 for i, task in enumerate(tasks)
             }
-            history = self.train(wrapper, streams)
+            history = self.train(wrapper, streams, deployed)
         seconds = time.perf_counter() - started
         report = {
             "method": self.method_name,
@@ -208,8 +192,8 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             expert.to("cpu")
         key = self.method_name.lower()
         if self.return_upstream:
-            return {"upstream": upstream_model, key: wrapper, f"{key}_calibration": report}
-        return wrapper
+            return {"upstream": upstream_model, key: deployed, f"{key}_calibration": report}
+        return deployed
 
 
 @auto_register_config
