@@ -1,0 +1,145 @@
+"""The paper's feature diagnostics on a CLIP pool: per-block drift (Fig. 1) and final-feature cosine (Fig. 2a).
+
+One in-process run: Task Arithmetic merges once; FeatCal (tracking the upstream trajectory) and Surgery both
+start from that same merged model; then every model's final image feature (projected, L2-normalised, after
+Surgery's map for Surgery) is compared with the expert's on each task's test images.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .baselines.sites import CLIPImageFeatureSite
+
+
+class FixedUpstream:
+    """An upstream "merger" that hands out copies of one merged model, so every calibrator starts from it."""
+
+    def __init__(self, model: nn.Module, description: str):
+        self.model = model
+        self.description = description
+
+    def run(self, modelpool):
+        return copy.deepcopy(self.model)
+
+
+@torch.no_grad()
+def final_feature_cosine(
+    site: CLIPImageFeatureSite,
+    models: Mapping[str, nn.Module],
+    experts: Mapping[str, nn.Module],
+    test_sets: Mapping[str, object],
+    device,
+    batch_size: int = 64,
+) -> Dict[str, Dict[str, float]]:
+    """model name -> task -> mean per-image cosine between the model's and the task expert's final feature.
+
+    A model with ``is_surgery_model`` has the task's map applied (as FusionBench's classifier applies it)."""
+    site.to(device)
+    result: Dict[str, Dict[str, float]] = {name: {} for name in models}
+    for task, dataset in test_sets.items():
+        expert = experts[task].to(device).eval()
+        sums = {name: 0.0 for name in models}
+        count = 0
+        for images in site.batches(dataset, batch_size, shuffle=False, seed=0):
+            images = images.to(device)
+            reference = site.features(expert, images)
+            for name, model in models.items():
+                model.to(device).eval()
+                if getattr(model, "is_surgery_model", False):
+                    features = model.compute_surgery_features(site.features(model.model, images), task)[0]
+                else:
+                    features = site.features(model, images)
+                sums[name] += float(F.cosine_similarity(features, reference, dim=-1).sum())
+            count += len(images)
+        expert.to("cpu")
+        for name in models:
+            result[name][task] = sums[name] / count
+    for name in models:
+        result[name]["average"] = statistics.fmean(v for k, v in result[name].items() if k != "average")
+    return result
+
+
+def block_drift(report: Mapping) -> Dict[str, Dict[str, list]]:
+    """From a FeatCal report with upstream tracking: per task, per block, the L2 drift and cosine to the expert of
+    the upstream model's own trajectory and of the calibrated model."""
+    tasks = report["tasks"]
+    out = {}
+    for task in tasks:
+        entries = [block["drift"][task] for block in report["blocks"]]
+        if "upstream" not in entries[0]:
+            raise ValueError("the FeatCal report has no upstream drift: run it with track_upstream_drift=true")
+        out[task] = {
+            f"{which}_{metric}": [e[which][metric] for e in entries]
+            for which in ("upstream", "after")
+            for metric in ("l2", "cosine")
+        }
+    return out
+
+
+def plot_drift(drift: Mapping, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, metric, label in ((axes[0], "l2", "mean L2 distance to the expert"), (axes[1], "cosine", "mean cosine to the expert")):
+        for which, colour, name in (("upstream", "tab:red", "Task Arithmetic"), ("after", "tab:blue", "+ FeatCal")):
+            curves = [d[f"{which}_{metric}"] for d in drift.values()]
+            blocks = range(1, len(curves[0]) + 1)
+            for curve in curves:
+                ax.plot(blocks, curve, color=colour, alpha=0.25, linewidth=0.8)
+            ax.plot(blocks, [statistics.fmean(v) for v in zip(*curves)], color=colour, linewidth=2, label=f"{name} (mean)")
+        ax.set_xlabel("block")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_cosine(cosine: Mapping, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(cosine)
+    tasks = list(next(iter(cosine.values())))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(tasks)), 3.8))
+    for i, name in enumerate(names):
+        ax.bar([t + i * width for t in range(len(tasks))], [cosine[name][t] for t in tasks], width, label=name)
+    ax.set_xticks([t + width * (len(names) - 1) / 2 for t in range(len(tasks))])
+    ax.set_xticklabels(tasks, rotation=30, ha="right")
+    ax.set_ylabel("final-feature cosine to the expert")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: Path, payload: Mapping) -> None:
+    tmp = path.with_suffix(path.suffix + ".partial")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def load_report(log_dir: Path, name: str) -> Optional[dict]:
+    found = sorted(Path(log_dir).rglob(name))
+    return json.loads(found[-1].read_text()) if found else None
