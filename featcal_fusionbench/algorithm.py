@@ -10,7 +10,7 @@ from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
 from .architectures import adapter_class_for
-from .data import select_calibration_data, shard
+from .data import calibration_source, select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
 from .hparams import FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
@@ -103,6 +103,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             {
                 "upstream": source,
                 "hparams": {k: getattr(hp, k) for k in hp.__dataclass_fields__},
+                "calibration_data": {t: calibration_source(t, "train", self.calibration_datasets) for t in tasks},
                 "device": str(self.fabric.device),
                 "world_size": world_size,
                 **peak_memory(self.fabric.device),
@@ -127,6 +128,7 @@ def _summary(report: Dict[str, Any]) -> Dict[str, Any]:
         "seconds": report["seconds"],
         "peak_rss_bytes": report["peak_rss_bytes"],
         "upstream": report["upstream"],
+        "calibration_data": report["calibration_data"],
         "last_block_drift": last,
     }
 

@@ -27,9 +27,13 @@ MOTION_BLUR = ((10, 3), (15, 5), (15, 8), (15, 12), (20, 15))  # (radius, sigma)
 FOG = ((1.5, 2.0), (2.0, 2.0), (2.5, 1.7), (2.5, 1.5), (3.0, 1.4))  # (strength, wibble decay)
 
 
-def _level(table, severity: int):
-    if not isinstance(severity, int) or not 1 <= severity <= 5:
+def check_severity(severity: int) -> None:
+    if not isinstance(severity, int) or isinstance(severity, bool) or not 1 <= severity <= 5:
         raise ValueError(f"severity must be an integer in 1..5, got {severity!r}")
+
+
+def _level(table, severity: int):
+    check_severity(severity)
     return table[severity - 1]
 
 
@@ -121,7 +125,7 @@ class CorruptedImageDataset(Dataset):
     def __init__(self, dataset, corruption: str, severity: int = 3, seed: int = 0):
         if corruption not in CORRUPTIONS:
             raise ValueError(f"unknown corruption {corruption!r}; known: {', '.join(CORRUPTIONS)}")
-        _level(GAUSSIAN_NOISE, severity)
+        check_severity(severity)
         self.dataset = dataset
         self.corruption = corruption
         self.severity = severity
@@ -137,4 +141,4 @@ class CorruptedImageDataset(Dataset):
         return item
 
 
-__all__ = ["CORRUPTIONS", "CorruptedImageDataset", "corrupt", "fog", "gaussian_noise", "motion_blur", "plasma_fractal"]
+__all__ = ["CORRUPTIONS", "CorruptedImageDataset", "check_severity", "corrupt", "fog", "gaussian_noise", "motion_blur", "plasma_fractal"]

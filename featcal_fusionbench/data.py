@@ -56,6 +56,16 @@ def load_calibration_dataset(modelpool, task: str, split: str, calibration_datas
     return getattr(modelpool, f"load_{split}_dataset")(task)
 
 
+def calibration_source(task: str, split: str, calibration_datasets: Optional[Mapping]) -> str:
+    """Where a task's calibration examples come from, for the reports."""
+    if calibration_datasets is not None and task in calibration_datasets:
+        config = calibration_datasets[task]
+        target = config.get("_target_", type(config).__name__) if isinstance(config, Mapping) else type(config).__name__
+        details = {k: v for k, v in config.items() if k in ("corruption", "severity", "name", "split")} if isinstance(config, Mapping) else {}
+        return f"calibration_datasets: {target} {details}" if details else f"calibration_datasets: {target}"
+    return f"the pool's {split} split"
+
+
 def select_calibration_data(
     modelpool, tasks: Sequence[str], num_examples: int, seed: int, split: str = "train",
     calibration_datasets: Optional[Mapping] = None,

@@ -134,6 +134,60 @@ def plot_cosine(cosine: Mapping, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_groups(values: Mapping[str, Mapping[str, float]], path: Path, ylabel: str, title: str,
+                reference: Optional[float] = None) -> None:
+    """Grouped bars: one group per inner key (e.g. corruption), one bar per outer key (e.g. calibrator)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(values)
+    groups = list(next(iter(values.values())))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 3.8))
+    for i, name in enumerate(names):
+        ax.bar([g + i * width for g in range(len(groups))], [values[name][g] for g in groups], width, label=name)
+    if reference is not None:
+        ax.axhline(reference, color="black", linestyle="--", linewidth=1, label="upstream")
+    ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))])
+    ax.set_xticklabels(groups)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweeps(results: Mapping, path: Path, title: str) -> None:
+    """One panel per factor: FeatCal's average accuracy against the factor, one line per upstream merger."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    factors = list(next(iter(results["featcal"].values())))
+    fig, axes = plt.subplots(1, len(factors), figsize=(4.2 * len(factors), 3.6), squeeze=False)
+    axes = axes[0]
+    for ax, factor in zip(axes, factors):
+        for i, (upstream, per_factor) in enumerate(results["featcal"].items()):
+            colour = f"C{i}"
+            ax.plot(per_factor[factor]["values"], per_factor[factor]["accuracy"], "o-", color=colour, label=f"{upstream} + FeatCal")
+            ax.axhline(results["upstream"][upstream], color=colour, linestyle="--", linewidth=1, label=f"{upstream}")
+        if factor == "lambda_":
+            ax.set_xscale("symlog", linthresh=1e-4)
+        ax.set_xlabel(factor.rstrip("_"))
+        ax.set_ylabel("average accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_json(path: Path, payload: Mapping) -> None:
     tmp = path.with_suffix(path.suffix + ".partial")
     tmp.write_text(json.dumps(payload, indent=2))

@@ -2,6 +2,11 @@
 
   python scripts/diagnostics.py features     # Fig. 1 per-block drift to the experts, TA vs + FeatCal, and
                                              # Fig. 2a final-feature cosine per task for TA, + Surgery, + FeatCal
+  python scripts/diagnostics.py corruption   # Table 6: calibration data corrupted (ImageNet-C severity 3), clean tests
+  python scripts/diagnostics.py sweep        # Fig. 5: single-factor lambda / rho / alpha sweeps (Hydra multirun)
+                                             # after Task Arithmetic and WUDI, each merged once and reused
+The sample-budget sweep (Table 12) is `python scripts/world_results.py --upstreams "" --sweep-n 8,16,32,64,128,256,512`.
+Runs go through the `fusion_bench` CLI in folders under --runs, cached by command (an interrupted invocation resumes).
 Options: --world offline (default: the offline CLIP world, offline_clip8), hub (FusionBench's ViT-B/32 TA8 pools) or
 toy (the synthetic smoke world);
 --out (default docs/diagnostics/<world>); -n examples per task (256); --surgery-steps (1000, the paper's);
@@ -12,6 +17,7 @@ Every output names its command, machine and date.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -68,7 +74,6 @@ def method_config(name: str) -> dict:
 
 def features(args) -> None:
     import lightning as L
-    import torch
     from fusion_bench.method import TaskArithmeticAlgorithm
     from fusion_bench.utils import instantiate
 
@@ -133,6 +138,121 @@ def features(args) -> None:
     print(f"wrote {out}/drift.{{json,png}} and cosine.{{json,png}} in {provenance['seconds']['total']:.0f} s")
 
 
+def provenance(args, started: float) -> dict:
+    return {
+        "command": "python scripts/diagnostics.py " + shlex.join(args.argv),
+        "machine": machine(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "world": args.world,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def pool_args(args) -> list:
+    if args.world == "hub":
+        return [f"modelpool={HUB_POOLS[0]}", f"taskpool={HUB_POOLS[1]}"]
+    from featcal_fusionbench.worlds.registry import build_world, world_path
+
+    build_world(WORLDS[args.world])
+    name = {"offline": "offline_clip8", "toy": "toy"}[args.world]
+    config_dir = ["--config-dir", str(world_path("toy") / "config")] if args.world == "toy" else []
+    return [*config_dir, f"modelpool=CLIPVisionModelPool/{name}", f"taskpool=CLIPVisionModelTaskPool/{name}"]
+
+
+def average_accuracy(section: dict) -> float:
+    return 100 * section["average"]["accuracy"]
+
+
+def corruption_override(tasks, corruption: str, severity: int) -> str:
+    """Every task's calibration examples: its train split (as the pool defines it), corrupted."""
+    entries = ",".join(
+        f"{t}:{{_target_:featcal_fusionbench.corruptions.CorruptedImageDataset,corruption:{corruption},"
+        f"severity:{severity},dataset:${{modelpool.train_datasets.{t}}}}}"
+        for t in tasks
+    )
+    return f"+method.calibration_datasets={{{entries}}}"
+
+
+def corruption(args) -> None:
+    from featcal_fusionbench.cli_runs import run_fusion_bench
+    from featcal_fusionbench.diagnostics import plot_groups, write_json
+
+    started = time.perf_counter()
+    tasks = list(load_pool_configs(args.world)[0].models)
+    tasks.remove("_pretrained_")
+    out, runs = folders(args, "corruption")
+    results: dict = {"accuracy": {}, "seconds": {}}
+    for calibrator in args.calibrators.split(","):
+        for name in args.corruptions.split(","):
+            print(f"{calibrator} calibrated on {name}", flush=True)
+            report = run_fusion_bench(runs / f"{calibrator}_{name}", [
+                *pool_args(args), f"method={calibrator}/clip_ta", "method.return_upstream=true",
+                f"method.num_calibration_examples={args.n}",
+                *([f"method.max_steps={args.surgery_steps}"] if calibrator != "featcal" else []),
+                *([corruption_override(tasks, name, args.severity)] if name != "clean" else []),
+            ], offline=args.world != "hub")
+            results["accuracy"].setdefault(calibrator, {})[name] = average_accuracy(report[calibrator])
+            calibration = report[f"{calibrator}_calibration"]
+            results["seconds"].setdefault(calibrator, {})[name] = calibration["seconds"]
+            results.setdefault("calibration_data", {}).setdefault(calibrator, {})[name] = calibration.get("calibration_data")
+            results["upstream"] = average_accuracy(report["upstream"])
+    for per in results["accuracy"].values():
+        per["average"] = sum(per.values()) / len(per)
+    payload = {**provenance(args, started), "n": args.n, "severity": args.severity, **results}
+    write_json(out / "corruption.json", payload)
+    plot_groups(results["accuracy"], out / "corruption.png", "average accuracy (%), clean test sets",
+                f"Calibration data corrupted (severity {args.severity}); Task Arithmetic {results['upstream']:.1f}\n"
+                f"{payload['command']} | {payload['date']}", reference=results["upstream"])
+    print(json.dumps(results["accuracy"], indent=1))
+
+
+SWEEP_UPSTREAMS = {
+    "ta": ["method=task_arithmetic", "method.scaling_factor=0.3"],
+    "wudi": ["method=wudi/wudi"],
+}
+
+
+def sweep(args) -> None:
+    from featcal_fusionbench.cli_runs import run_fusion_bench
+    from featcal_fusionbench.diagnostics import plot_sweeps, write_json
+
+    started = time.perf_counter()
+    out, runs = folders(args, "sweep")
+    grids = {"lambda_": args.grid_lambda, "rho": args.grid_rho, "alpha": args.grid_alpha}
+    results: dict = {"upstream": {}, "featcal": {}}
+    for upstream in args.upstreams.split(","):
+        merged = runs / f"merged_{upstream}"
+        print(f"{upstream}: merge once", flush=True)
+        report = run_fusion_bench(runs / f"upstream_{upstream}", [
+            *pool_args(args), *SWEEP_UPSTREAMS[upstream], f"merged_model_save_path={merged}",
+        ], offline=args.world != "hub")
+        results["upstream"][upstream] = average_accuracy(report)
+        for factor, grid in grids.items():
+            values = [float(v) for v in grid.split(",") if v]
+            if not values:
+                continue
+            print(f"{upstream}: FeatCal {factor} in {values}", flush=True)
+            reports = run_fusion_bench(runs / f"{upstream}_{factor}", [
+                *pool_args(args), f"method=featcal/clip_{upstream}", f"method.merged_model_path={merged}",
+                f"method.num_calibration_examples={args.n}", f"method.{factor}={','.join(map(str, values))}",
+            ], jobs=len(values), offline=args.world != "hub")
+            results["featcal"].setdefault(upstream, {})[factor] = {
+                "values": values, "accuracy": [average_accuracy(r) for r in reports],
+            }
+    payload = {**provenance(args, started), "n": args.n, "defaults": "paper: lambda 0.05, rho 2.0, alpha 0.3", **results}
+    write_json(out / "sweep.json", payload)
+    plot_sweeps(results, out / "sweep.png", f"FeatCal single-factor sweeps (others at the paper's values)\n"
+                f"{payload['command']} | {payload['date']}")
+    print(json.dumps(results, indent=1))
+
+
+def folders(args, name: str):
+    out = Path(args.out or REPO / "docs" / "diagnostics" / args.world)
+    runs = Path(args.runs or REPO / "outputs" / "diagnostics" / args.world / name)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,12 +262,55 @@ def main(argv=None) -> int:
     feat.add_argument("-n", type=int, default=256, help="calibration examples per task")
     feat.add_argument("--surgery-steps", type=int, default=1000)
     feat.add_argument("--test-examples", type=int, default=0, help="cap on test images per task (0: all)")
+    corr = sub.add_parser("corruption", help="Table 6: calibration on corrupted images, clean evaluation")
+    corr.add_argument("--calibrators", default="featcal,surgery,probsurgery")
+    corr.add_argument("--corruptions", default="clean,gaussian_noise,motion_blur,fog")
+    corr.add_argument("--severity", type=int, default=3)
+    corr.add_argument("--surgery-steps", type=int, default=1000)
+    swp = sub.add_parser("sweep", help="Fig. 5: single-factor lambda / rho / alpha sweeps")
+    swp.add_argument("--upstreams", default="ta,wudi")
+    swp.add_argument("--grid-lambda", default="0.0001,0.001,0.01,0.05,0.1,0.5,1,10")
+    swp.add_argument("--grid-rho", default="0,0.5,1,1.5,2,2.5,3,4")
+    swp.add_argument("--grid-alpha", default="0,0.1,0.2,0.3,0.5,0.7,0.9,1")
+    for command in (corr, swp):
+        command.add_argument("--world", choices=(*WORLDS, "hub"), default="offline")
+        command.add_argument("--out", default=None)
+        command.add_argument("--runs", default=None, help="run folders (default outputs/diagnostics/<world>/<command>)")
+        command.add_argument("-n", type=int, default=256, help="calibration examples per task")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.n < 1:
+        parser.error("-n must be >= 1")
     if args.command == "features":
-        if args.n < 1 or args.surgery_steps < 0 or args.test_examples < 0:
-            parser.error("-n must be >= 1, --surgery-steps and --test-examples >= 0")
+        if args.surgery_steps < 0 or args.test_examples < 0:
+            parser.error("--surgery-steps and --test-examples must be >= 0")
         features(args)
+    elif args.command == "corruption":
+        from featcal_fusionbench.corruptions import check_severity
+
+        from featcal_fusionbench.corruptions import CORRUPTIONS
+
+        unknown = [c for c in args.calibrators.split(",") if c not in ("featcal", "surgery", "probsurgery")]
+        if unknown:
+            parser.error(f"unknown calibrator(s) {unknown}; known: featcal, surgery, probsurgery")
+        unknown = [c for c in args.corruptions.split(",") if c not in ("clean", *CORRUPTIONS)]
+        if unknown:
+            parser.error(f"unknown corruption(s) {unknown}; known: clean, {', '.join(CORRUPTIONS)}")
+        try:
+            check_severity(args.severity)
+        except ValueError as err:
+            parser.error(str(err))
+        corruption(args)
+    else:
+        unknown = [u for u in args.upstreams.split(",") if u not in SWEEP_UPSTREAMS]
+        if unknown:
+            parser.error(f"unknown upstream(s) {unknown}; known: {', '.join(SWEEP_UPSTREAMS)}")
+        for name in ("grid_lambda", "grid_rho", "grid_alpha"):
+            try:
+                [float(v) for v in getattr(args, name).split(",") if v]
+            except ValueError:
+                parser.error(f"--{name.replace('_', '-')} must be comma-separated numbers, got {getattr(args, name)!r}")
+        sweep(args)
     return 0
 
 

@@ -23,17 +23,16 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from datetime import date
 from pathlib import Path
 
+from featcal_fusionbench.cli_runs import COUNTS, run_fusion_bench
 from featcal_fusionbench.worlds.references import reference_accuracies
 from featcal_fusionbench.worlds.registry import build_world, get_world
 
 REPO = Path(__file__).resolve().parents[1]
-FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
 UPSTREAMS = {
     "simple_average": "Simple Averaging",
     "ta": "Task Arithmetic",
@@ -43,32 +42,6 @@ UPSTREAMS = {
 CALIBRATORS = {"featcal": "FeatCal", "surgery": "Surgery", "probsurgery": "ProbSurgery"}
 # AdaMerging's default of 8 loader workers only adds process start-up on these 2-core machines.
 EXTRA = {"adamerging": ["method.upstream.algorithm_config.num_workers=0"]}
-
-
-RUNS = {"ran": 0, "resumed": 0}
-
-
-def run_fusion_bench(run_dir: Path, args: list) -> dict:
-    """One CLI run in its own folder; returns its program report (cached by command)."""
-    command = [FUSION_BENCH, *args, "path.log_dir=."]
-    report_path, command_path = run_dir / "program_report.json", run_dir / "command.txt"
-    text = shlex.join(command[1:])
-    if report_path.is_file() and command_path.is_file() and command_path.read_text() == text:
-        RUNS["resumed"] += 1
-        return json.loads(report_path.read_text())
-    RUNS["ran"] += 1
-    run_dir.mkdir(parents=True, exist_ok=True)
-    report_path.unlink(missing_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    started = time.perf_counter()
-    with open(run_dir / "run.log", "w") as log:
-        result = subprocess.run(command, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        raise SystemExit(f"fusion_bench failed in {run_dir} (see run.log there): {text}")
-    command_path.write_text(text)
-    report = json.loads(report_path.read_text())
-    print(f"  {run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
-    return report
 
 
 def accuracies(section: dict) -> dict:
@@ -262,7 +235,7 @@ def main(argv=None) -> int:
         }
         results["png"] = out.with_suffix(".png").name
     results["wall_seconds"] = time.perf_counter() - started
-    results["runs"] = dict(RUNS)
+    results["runs"] = dict(COUNTS)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     if sweep_n:

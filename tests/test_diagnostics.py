@@ -41,3 +41,41 @@ def test_bad_arguments_fail_before_any_work(capsys):
     with pytest.raises(SystemExit):
         load_script().main(["features", "-n", "0"])
     assert "-n must be >= 1" in capsys.readouterr().err
+
+
+def test_corruption_diagnostic_calibrates_on_corrupted_train_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path / "worlds"))
+    out = tmp_path / "diag"
+    load_script().main([
+        "corruption", "--world", "toy", "-n", "8", "--calibrators", "featcal", "--corruptions", "clean,fog",
+        "--out", str(out), "--runs", str(tmp_path / "runs"),
+    ])
+    result = json.loads((out / "corruption.json").read_text())
+    assert set(result["accuracy"]["featcal"]) == {"clean", "fog", "average"}
+    sources = result["calibration_data"]["featcal"]
+    assert set(sources["clean"].values()) == {"the pool's train split"}
+    assert all("CorruptedImageDataset" in s and "'corruption': 'fog'" in s for s in sources["fog"].values())
+    assert (out / "corruption.png").stat().st_size > 0
+
+
+def test_sweep_diagnostic_merges_once_and_sweeps_by_multirun(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path / "worlds"))
+    out, runs = tmp_path / "diag", tmp_path / "runs"
+    args = ["sweep", "--world", "toy", "-n", "8", "--upstreams", "ta", "--grid-lambda", "0.01,100",
+            "--grid-rho", "", "--grid-alpha", "", "--out", str(out), "--runs", str(runs)]
+    load_script().main(args)
+    result = json.loads((out / "sweep.json").read_text())
+    lam = result["featcal"]["ta"]["lambda_"]
+    assert lam["values"] == [0.01, 100.0] and len(lam["accuracy"]) == 2
+    # a huge ridge returns (close to) the anchor rho * merged + (1 - rho) * base, not the merged model: only
+    # check that both jobs ran on the one saved merged model and differ in their lambda
+    reports = [json.loads((runs / "ta_lambda_" / f"job_{i}" / "featcal_report.json").read_text()) for i in range(2)]
+    assert [r["hparams"]["lambda_"] for r in reports] == [0.01, 100.0]
+    assert all(r["upstream"] == f"path:{runs / 'merged_ta'}" for r in reports)
+    assert (out / "sweep.png").stat().st_size > 0
+    # a second invocation resumes every run from its report
+    from featcal_fusionbench.cli_runs import COUNTS
+
+    before = dict(COUNTS)
+    load_script().main(args)
+    assert COUNTS["ran"] == before["ran"] and COUNTS["resumed"] == before["resumed"] + 2

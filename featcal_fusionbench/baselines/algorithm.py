@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..architectures.base import to_device
-from ..data import SPLITS, select_calibration_data
+from ..data import SPLITS, calibration_source, select_calibration_data
 from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 from .sites import feature_site
@@ -178,6 +178,9 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             "method": self.method_name,
             "upstream": source,
             "calibration_split": self.calibration_split,
+            "calibration_data": {
+                t: calibration_source(t, self.calibration_split, self.calibration_datasets) for t in tasks
+            },
             "features": "precomputed" if self.precompute_features else "streamed",
             "num_calibration_examples": self.num_calibration_examples,
             "max_steps": self.max_steps,

@@ -1,0 +1,62 @@
+"""`fusion_bench` runs in their own folders, cached by their command line, for the result and diagnostic scripts.
+
+A run is skipped when its folder holds the report(s) of the very same command (``command.txt`` is written only
+after the run succeeded), so an interrupted invocation resumes and a changed command runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Sequence
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+REPORT = "program_report.json"
+COUNTS = {"ran": 0, "resumed": 0}
+
+
+def fusion_bench_executable() -> str:
+    beside = Path(sys.executable).with_name("fusion_bench")
+    return str(beside) if beside.exists() else "fusion_bench"
+
+
+def _report_paths(run_dir: Path, jobs: int) -> List[Path]:
+    if jobs == 0:
+        return [run_dir / REPORT]
+    return [run_dir / f"job_{i}" / REPORT for i in range(jobs)]
+
+
+def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline: bool = True):
+    """Run ``fusion_bench *args`` in ``run_dir`` and return its program report. With ``jobs`` > 0 it is a Hydra
+    multirun (``-m``) of that many jobs, each logging to ``run_dir/job_<n>``; the reports come back in job order."""
+    args = list(args)
+    if jobs:
+        args = ["-m", *args, "path.log_dir=./job_${hydra:job.num}", "hydra.sweep.dir=./multirun"]
+    else:
+        args = [*args, "path.log_dir=."]
+    text = shlex.join(args)
+    reports, command_path = _report_paths(run_dir, jobs), run_dir / "command.txt"
+    if command_path.is_file() and command_path.read_text() == text and all(p.is_file() for p in reports):
+        COUNTS["resumed"] += 1
+    else:
+        COUNTS["ran"] += 1
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command_path.unlink(missing_ok=True)
+        for path in reports:
+            path.unlink(missing_ok=True)
+        env = {**os.environ, **(OFFLINE_ENV if offline else {})}
+        started = time.perf_counter()
+        with open(run_dir / "run.log", "w") as log:
+            result = subprocess.run([fusion_bench_executable(), *args], cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        missing = [str(p) for p in reports if not p.is_file()]
+        if result.returncode != 0 or missing:
+            raise SystemExit(f"fusion_bench failed in {run_dir} (see run.log there): {text}")
+        command_path.write_text(text)
+        print(f"  {run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
+    loaded = [json.loads(p.read_text()) for p in reports]
+    return loaded if jobs else loaded[0]
