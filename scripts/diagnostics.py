@@ -9,7 +9,8 @@ The sample-budget sweep (Table 12) is `python scripts/world_results.py --upstrea
 Runs go through the `fusion_bench` CLI in folders under --runs, cached by command (an interrupted invocation resumes).
 Options: --world offline (default: the offline CLIP world, offline_clip8), hub (FusionBench's ViT-B/32 TA8 pools) or
 toy (the synthetic smoke world);
---out (default docs/diagnostics/<world>); -n examples per task (256); --surgery-steps (1000, the paper's);
+--out (default docs/diagnostics/<world>); --runs (default outputs/diagnostics/<world>/<command>); -n examples per
+task (256); --surgery-steps (1000, the paper's);
 --test-examples (cap per task on the test images compared; default all).
 Every output names its command, machine and date.
 """
@@ -21,6 +22,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -84,12 +86,12 @@ def features(args) -> None:
         FixedUpstream, block_drift, final_feature_cosine, load_report, plot_cosine, plot_drift, write_json,
     )
 
-    out = Path(args.out or REPO / "docs" / "diagnostics" / args.world)
-    out.mkdir(parents=True, exist_ok=True)
+    out, runs = folders(args, "features")
+    shutil.rmtree(runs / "logs", ignore_errors=True)  # this invocation's FeatCal report is the one read back
     started = time.perf_counter()
     pool = instantiate(load_pool_configs(args.world)[0])
     tasks = list(pool.model_names)
-    fabric = L.Fabric(accelerator="auto", devices=1, loggers=[L.fabric.loggers.CSVLogger(str(out / "logs"))])
+    fabric = L.Fabric(accelerator="auto", devices=1, loggers=[L.fabric.loggers.CSVLogger(str(runs / "logs"))])
     merged = TaskArithmeticAlgorithm(scaling_factor=0.3, inplace=False).run(pool)
     upstream = FixedUpstream(merged, "Task Arithmetic (0.3)")
 
@@ -103,7 +105,7 @@ def features(args) -> None:
     n = args.n
     featcal, featcal_s = calibrate(FeatCalAlgorithm, "featcal/clip_ta", num_calibration_examples=n, track_upstream_drift=True)
     surgery, surgery_s = calibrate(SurgeryAlgorithm, "surgery/clip_ta", num_calibration_examples=n, max_steps=args.surgery_steps)
-    report = load_report(out / "logs", "featcal_report.json")
+    report = load_report(runs / "logs", "featcal_report.json")
     drift = block_drift(report)
 
     experts = {t: pool.load_model(t) for t in tasks}
@@ -257,9 +259,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     feat = sub.add_parser("features", help="Fig. 1 drift per block and Fig. 2a final-feature cosine")
-    feat.add_argument("--world", choices=(*WORLDS, "hub"), default="offline")
-    feat.add_argument("--out", default=None)
-    feat.add_argument("-n", type=int, default=256, help="calibration examples per task")
     feat.add_argument("--surgery-steps", type=int, default=1000)
     feat.add_argument("--test-examples", type=int, default=0, help="cap on test images per task (0: all)")
     corr = sub.add_parser("corruption", help="Table 6: calibration on corrupted images, clean evaluation")
@@ -272,7 +271,7 @@ def main(argv=None) -> int:
     swp.add_argument("--grid-lambda", default="0.0001,0.001,0.01,0.05,0.1,0.5,1,10")
     swp.add_argument("--grid-rho", default="0,0.5,1,1.5,2,2.5,3,4")
     swp.add_argument("--grid-alpha", default="0,0.1,0.2,0.3,0.5,0.7,0.9,1")
-    for command in (corr, swp):
+    for command in (feat, corr, swp):
         command.add_argument("--world", choices=(*WORLDS, "hub"), default="offline")
         command.add_argument("--out", default=None)
         command.add_argument("--runs", default=None, help="run folders (default outputs/diagnostics/<world>/<command>)")

@@ -20,7 +20,9 @@ def test_features_diagnostic_writes_drift_and_cosine(tmp_path, monkeypatch):
     monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path / "worlds"))
     monkeypatch.chdir(tmp_path)  # FusionBench caches zero-shot heads under ./outputs
     out = tmp_path / "diag"
-    load_script().main(["features", "--world", "toy", "-n", "8", "--surgery-steps", "3", "--out", str(out)])
+    load_script().main([
+        "features", "--world", "toy", "-n", "8", "--surgery-steps", "3", "--out", str(out), "--runs", str(tmp_path / "runs"),
+    ])
     drift = json.loads((out / "drift.json").read_text())
     cosine = json.loads((out / "cosine.json").read_text())
     assert drift["command"].startswith("python scripts/diagnostics.py features --world toy")
