@@ -1,0 +1,285 @@
+"""The paper's tables with our numbers: Markdown, LaTeX and CSV, each cell as paper / ours / diff (ours - paper).
+
+Our numbers come from the runs' FusionBench reports (``result.json`` written by the runner): percentages of each
+task's ``accuracy`` (CLIP, GLUE exact match) or ``spearman_rho`` (STS-B, regression tasks), and the report's
+``average`` (the fine-tuned row: the mean of its per-task runs, once all are there). In the offline world the
+columns are the world's tasks and the paper column is empty: its numbers are not comparable.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .catalog import TABLES, Catalog, Row
+from .paper import PAPER
+
+METRICS = ("accuracy", "spearman_rho", "score")
+
+
+def scores(report: dict, section: Optional[str] = None) -> Dict[str, float]:
+    """Task (and ``average``) -> percentage, from a FusionBench report (or its ``section``, when it has one)."""
+    if section and isinstance(report.get(section), dict):
+        report = report[section]
+    out = {}
+    for key, entry in report.items():
+        if isinstance(entry, dict):
+            for metric in METRICS:
+                value = entry.get(metric)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[key] = 100.0 * float(value)
+                    break
+    return out
+
+
+def row_scores(row: Row, results: Dict[str, dict]) -> Tuple[Dict[str, float], str]:
+    """(column -> our percentage, status) of one row: "ok", "partial", "missing" or "not run: ..."."""
+    if row.skip:
+        return {}, f"not run: {row.skip}"
+    if row.method == "finetuned":
+        values = {}
+        for run in row.runs:
+            if run.id in results:
+                got = scores(results[run.id]["report"])
+                if run.task in got:
+                    values[run.task] = got[run.task]
+        if not values:
+            return {}, "missing"
+        if len(values) == len(row.runs):
+            values["average"] = statistics.fmean(values[r.task] for r in row.runs)
+            return values, "ok"
+        return values, "partial"
+    run = row.runs[0]
+    if run.id not in results:
+        return {}, "missing"
+    values = scores(results[run.id]["report"], run.calibrator)
+    if "average" not in values:
+        tasks = [k for k in values]
+        if tasks:
+            values["average"] = statistics.fmean(values[t] for t in tasks)
+    return values, "ok"
+
+
+@dataclass
+class Cell:
+    paper: Optional[float] = None
+    ours: Optional[float] = None
+
+    @property
+    def diff(self) -> Optional[float]:
+        if self.paper is None or self.ours is None:
+            return None
+        return self.ours - self.paper
+
+    @property
+    def shown_diff(self) -> Optional[float]:
+        """ours as shown (one decimal) minus paper, so that the three printed numbers agree."""
+        if self.paper is None or self.ours is None:
+            return None
+        return round(round(self.ours, 1) - self.paper, 1)
+
+
+@dataclass
+class RenderRow:
+    id: str
+    label: str
+    method: str
+    cells: Dict[str, Cell]
+    status: str
+
+
+@dataclass
+class Block:
+    title: str
+    columns: List[Tuple[str, str]]  # (key, label)
+    rows: List[RenderRow]
+
+
+@dataclass
+class TableModel:
+    number: str
+    caption: str
+    world: str
+    runs_dir: str
+    blocks: List[Block]
+    layout: str
+    notes: List[str] = field(default_factory=list)
+    has_paper: bool = True
+
+
+def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
+                stale: Optional[Dict[str, str]] = None) -> TableModel:
+    spec = TABLES[number]
+    paper = PAPER[number]
+    hub = catalog.world == "hub"
+    rows = catalog.rows(number)
+    model = TableModel(number, paper["caption"], catalog.world, str(catalog.runs_dir), [], spec.layout, has_paper=hub)
+    if spec.layout == "settings":
+        columns = [(g.key, paper["labels"].get(g.key, g.key)) for g in spec.groups]
+        by_method: Dict[str, RenderRow] = {}
+        for row in rows:
+            ours, status = row_scores(row, results)
+            value = Cell(paper["rows"].get(row.paper_key, {}).get("average") if hub and row.paper_key else None,
+                         ours.get("average"))
+            entry = by_method.setdefault(row.method, RenderRow(row.method, row.label, row.method, {}, "ok"))
+            entry.cells[row.group] = value
+            if status != "ok":
+                entry.status = status if entry.status == "ok" else entry.status
+        model.blocks.append(Block("", columns, list(by_method.values())))
+    else:
+        for group in spec.groups:
+            key = group.hub if hub else group.offline
+            group_rows = [r for r in rows if r.group == group.key]
+            if hub:
+                columns = [(c, paper["labels"].get(c, c)) for c in paper["columns"]]
+            elif key is not None:
+                tasks, _ = catalog.tasks(key)
+                columns = [(t, t) for t in tasks] + [("average", "Avg.")]
+            else:
+                columns = [("average", "Avg.")]
+            title = catalog.settings[key].title if key else f"{group.title} (not available: {group.offline_missing})"
+            block = Block(title, columns, [])
+            for row in group_rows:
+                ours, status = row_scores(row, results)
+                printed = paper["rows"].get(row.paper_key, {}) if hub and row.paper_key else {}
+                cells = {c: Cell(printed.get(c), ours.get(c)) for c, _ in columns}
+                block.rows.append(RenderRow(row.id, row.label, row.method, cells, status))
+            model.blocks.append(block)
+    for row in rows:
+        if row.skip:
+            model.notes.append(f"{row.id}: not run ({row.skip})")
+    for run_id, command in (stale or {}).items():
+        model.notes.append(f"{run_id}: its result came from another command line, not shown (`{command}`); "
+                           "run it again or pass the same --override options")
+    if hub:
+        model.notes.extend(f"paper print: {n}" for n in paper["notes"])
+    return model
+
+
+def _fmt(value: Optional[float], signed: bool = False) -> str:
+    if value is None:
+        return ""
+    return f"{value:+.1f}" if signed else f"{value:.1f}"
+
+
+def _status_mark(status: str) -> str:
+    return {"ok": "", "missing": " (no result)", "partial": " (partial)"}.get(status, " (not run)")
+
+
+def _lines(block: Block, row: RenderRow, has_paper: bool):
+    """(kind, values) lines of one row: paper, ours, diff (ours only offline)."""
+    cols = [c for c, _ in block.columns]
+    if has_paper:
+        yield "paper", [_fmt(row.cells[c].paper) for c in cols]
+    yield "ours", [_fmt(row.cells[c].ours) or ("n/a" if row.status.startswith("not run") else "–") for c in cols]
+    if has_paper:
+        yield "diff", [_fmt(row.cells[c].shown_diff, signed=True) for c in cols]
+
+
+def markdown(model: TableModel) -> str:
+    head = f"Table {model.number}" + (" on the offline worlds" if model.world == "offline" else "")
+    out = [f"## {head}", "", f"Paper: {model.caption}", "",
+           f"Runs: `{model.runs_dir}`. Cells: paper (as printed), ours, diff = ours - paper (points)."
+           if model.has_paper else
+           f"Runs: `{model.runs_dir}`. Offline world: the paper column is empty (another model and other tasks).", ""]
+    for block in model.blocks:
+        if block.title:
+            out += [f"### {block.title}", ""]
+        if model.layout == "tasks":
+            out += ["| Method | paper | ours | diff |", "|---|---:|---:|---:|"]
+            for row in block.rows:
+                cell = row.cells.get("average", Cell())
+                out.append(f"| {row.label}{_status_mark(row.status)} | {_fmt(cell.paper)} | {_fmt(cell.ours)} | "
+                           f"{_fmt(cell.shown_diff, signed=True)} |")
+            out += ["", "Per task:" if len(block.columns) > 1 else "", ""]
+        out.append("| Method | | " + " | ".join(label for _, label in block.columns) + " |")
+        out.append("|---|---|" + "---:|" * len(block.columns))
+        for row in block.rows:
+            for i, (kind, values) in enumerate(_lines(block, row, model.has_paper)):
+                name = f"{row.label}{_status_mark(row.status)}" if i == 0 else ""
+                out.append(f"| {name} | {kind} | " + " | ".join(values) + " |")
+        out.append("")
+    if model.notes:
+        out += ["Notes:", ""] + [f"- {n}" for n in model.notes] + [""]
+    return "\n".join(out)
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def tex_escape(text: str) -> str:
+    return "".join(_TEX.get(ch, ch) for ch in text)
+
+
+def tex_text(text: str) -> str:
+    """Escape text, keeping ``$...$`` math (the paper's captions) as it is."""
+    parts = text.split("$")
+    if len(parts) % 2 == 0:  # an unpaired $: all text
+        return tex_escape(text)
+    return "".join(f"${part}$" if i % 2 else tex_escape(part) for i, part in enumerate(parts)).replace("  ", " ")
+
+
+def latex(model: TableModel) -> str:
+    ncols = max(len(b.columns) for b in model.blocks)
+    out = [f"% Table {model.number} ({model.world}); runs: {tex_escape(model.runs_dir)}",
+           "% rows: paper (as printed), ours, $\\Delta$ = ours - paper" if model.has_paper else
+           "% offline world: ours only (the paper's numbers are for other models and tasks)",
+           r"\begin{table}[t]", r"\centering", r"\scriptsize",
+           f"\\caption{{{tex_text(model.caption)}" + (" (offline world)" if model.world == "offline" else "") + "}",
+           r"\begin{tabular}{ll" + "r" * ncols + "}", r"\toprule"]
+    for b, block in enumerate(model.blocks):
+        if b:
+            out.append(r"\midrule")
+        if block.title:
+            out.append(f"\\multicolumn{{{ncols + 2}}}{{l}}{{\\textit{{{tex_escape(block.title)}}}}} \\\\")
+        out.append("Method & & " + " & ".join(tex_escape(label) for _, label in block.columns) + r" \\")
+        out.append(r"\midrule")
+        for row in block.rows:
+            for i, (kind, values) in enumerate(_lines(block, row, model.has_paper)):
+                name = tex_escape(row.label + _status_mark(row.status)) if i == 0 else ""
+                kind_tex = r"$\Delta$" if kind == "diff" else kind
+                cells = (tex_escape(v).replace("–", "--") for v in values)
+                out.append(f"{name} & {kind_tex} & " + " & ".join(cells) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
+    return "\n".join(out)
+
+
+CSV_FIELDS = ["table", "world", "block", "row", "method", "label", "column", "column_label", "paper", "ours", "diff",
+              "status"]
+
+
+def csv_text(model: TableModel) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for block in model.blocks:
+        for row in block.rows:
+            for column, label in block.columns:
+                cell = row.cells[column]
+                writer.writerow({
+                    "table": model.number, "world": model.world, "block": block.title, "row": row.id,
+                    "method": row.method, "label": row.label, "column": column, "column_label": label,
+                    "paper": "" if cell.paper is None else f"{cell.paper:.1f}",
+                    "ours": "" if cell.ours is None else f"{cell.ours:.4f}",
+                    "diff": "" if cell.diff is None else f"{cell.diff:+.4f}",
+                    "status": row.status,
+                })
+    return buffer.getvalue()
+
+
+def write_tables(models: Sequence[TableModel], folder: Path) -> List[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for model in models:
+        for suffix, text in (("md", markdown(model)), ("tex", latex(model)), ("csv", csv_text(model))):
+            path = folder / f"table_{model.number}.{suffix}"
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+            written.append(path)
+    return written

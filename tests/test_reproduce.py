@@ -1,0 +1,494 @@
+"""The paper's tables as commands (scripts/reproduce.py): every listed command composes offline with no download,
+the runner resumes and reuses upstream merged models, the renderer writes paper / ours / diff."""
+
+import copy
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from featcal_fusionbench.reproduce.catalog import (
+    CALIBRATORS,
+    HUB_SETTINGS,
+    SEQ2SEQ_SAVING_POOL,
+    TABLES,
+    Catalog,
+    CatalogError,
+    list_lines,
+    parse_tables,
+)
+from featcal_fusionbench.reproduce.paper import PAPER
+from featcal_fusionbench.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
+from featcal_fusionbench.reproduce.runner import Runner, collect, load_result
+
+REPO = Path(__file__).resolve().parents[1]
+FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+PAPER_MD = Path("/work/shared/paper/featcal-paper.md")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def all_runs(catalog):
+    runs = {}
+    for table in TABLES:
+        for row in catalog.rows(table):
+            for run in row.runs:
+                runs.setdefault(run.id, run)
+    return runs
+
+
+def overrides_of(run):
+    return dict(a.split("=", 1) for a in run.args if "=" in a and not a.startswith("~"))
+
+
+# -- the catalog -------------------------------------------------------------------------------------------------
+
+def test_every_printed_row_of_every_table_is_in_the_catalog(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    for table in TABLES:
+        rows = catalog.rows(table)
+        assert {r.paper_key for r in rows} == set(PAPER[table]["rows"]), table
+        assert len({r.id for r in rows}) == len(rows)
+        assert [r.id for r in rows if r.skip] == (["mtl"] if table in ("1", "7") else [])
+    # the paper's per-task columns are the settings' FusionBench task names
+    for table, setting in (("1", "b32-8"), ("7", "l14-8"), ("8", "b32-14"), ("9", "l14-14"), ("10", "b32-20"),
+                           ("11", "l14-20")):
+        assert PAPER[table]["columns"] == [*HUB_SETTINGS[setting].tasks, "average"]
+    assert PAPER["3"]["columns"] == [*HUB_SETTINGS["t5-base"].tasks, "average"]
+    # Table 2's averages are App. I's
+    app_i = {k: v for n in ("7", "8", "9", "10", "11") for k, v in PAPER[n]["rows"].items()}
+    assert all(app_i[k]["average"] == v["average"] for k, v in PAPER["2"]["rows"].items())
+    # a few cells as printed
+    assert PAPER["1"]["rows"]["b32-8/wudi+featcal"]["average"] == 88.8
+    assert PAPER["1"]["rows"]["b32-8/simple_average+surgery"]["eurosat"] == 94.7  # printed with a truncated arrow
+    assert PAPER["3"]["rows"]["t5-large/ta+featcal"]["glue-stsb"] == 90.8
+    assert PAPER["9"]["rows"]["l14-14/simple_average"]["eurosat"] == 80.4  # the row printed with a blank cell
+    assert PAPER["2"]["rows"]["l14-20/wudi+featcal"] == {"average": 89.8}
+
+
+@pytest.mark.skipif(not PAPER_MD.is_file(), reason="the paper's Markdown is not on this machine")
+def test_the_paper_numbers_module_is_what_the_extractor_reads_from_the_paper():
+    extractor = load_script("extract_paper_numbers")
+    assert extractor.extract(PAPER_MD.read_text()) == PAPER
+
+
+def test_offline_world_maps_table_1_and_table_3_base_and_skips_the_rest_with_a_reason(tmp_path):
+    catalog = Catalog("offline", tmp_path)
+    for row in catalog.rows("1"):
+        assert row.setting == "offline-clip8"
+        assert bool(row.skip) == (row.method == "mtl")
+    for table in ("2", "7", "8", "9", "10", "11"):
+        assert all(r.skip and "no offline" in r.skip and not r.runs for r in catalog.rows(table))
+    for row in catalog.rows("3"):
+        if row.group == "large":
+            assert "FLAN-T5-large" in row.skip
+        else:
+            assert row.setting == "offline-t5"
+    lines = list_lines(catalog.rows("7"))
+    assert lines and all(line.startswith("# table 7 ") and "skipped (no offline" in line for line in lines)
+
+
+def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    runs = all_runs(catalog)
+    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26  # Table 2's runs are App. I's
+    for run in runs.values():
+        args = overrides_of(run)
+        assert run.command.startswith("fusion_bench method=")
+        assert args["path.log_dir"] == str(tmp_path.resolve() / run.id)
+        if run.kind == "upstream":
+            assert args["merged_model_save_path"] == str(tmp_path.resolve() / run.id / "merged")
+        if run.kind == "calibrator":
+            upstream = runs[run.depends[0]]
+            assert args["method.merged_model_path"] == overrides_of(upstream)["merged_model_save_path"]
+    lines = list_lines(Catalog("hub", tmp_path).rows("1"))
+    assert len(lines) == 26 and sum(line.startswith("fusion_bench ") for line in lines) == 25
+
+
+def test_bad_input_fails_before_anything_runs(tmp_path):
+    assert parse_tables(["I"]) == ["7", "8", "9", "10", "11"]
+    assert parse_tables(["1,3", "1"]) == ["1", "3"]
+    with pytest.raises(CatalogError, match="unknown table '5'"):
+        parse_tables(["5"])
+    catalog = Catalog("hub", tmp_path)
+    with pytest.raises(CatalogError, match="no row matches 'nope'"):
+        catalog.select(["1"], ["ta", "nope"])
+    with pytest.raises(CatalogError, match="KEY=VALUE"):
+        Catalog("hub", tmp_path, ["method.lambda_"])
+    with pytest.raises(CatalogError, match="unknown world"):
+        Catalog("mars", tmp_path)
+    chosen = catalog.select(["1", "2"], ["ta+featcal", "finetuned/mnist", "l14-20/*"])
+    assert [r.id for r in chosen][:2] == ["finetuned", "ta+featcal"]
+    assert [run.task for run in chosen[0].runs] == ["mnist"]
+    table2 = [r.id for r in chosen[2:]]  # a method name matches it in every block; l14-20/* the whole block
+    assert all(r.table == "2" for r in chosen[2:]) and len(table2) == 4 + 10
+    assert {i for i in table2 if not i.startswith("l14-20/")} == {f"{k}/ta+featcal" for k in ("l14-8", "b32-14", "l14-14", "b32-20")}
+
+    script = load_script("reproduce")
+    for argv, message in ((["--table", "5", "--list"], "unknown table"),
+                          (["--table", "1", "--rows", "nope", "--list"], "no row matches")):
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(argv)
+        assert exit_info.value.code == 2
+    assert not (tmp_path / "b32-8").exists()
+
+
+def test_list_prints_one_command_per_line(tmp_path, capsys):
+    script = load_script("reproduce")
+    assert script.main(["--table", "3", "--list", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 26 and all(line.startswith("fusion_bench ") for line in lines)
+    assert any("method=featcal/flan_t5_large_ta" in line for line in lines)
+    assert not list(tmp_path.iterdir())  # listing writes nothing
+
+
+# -- every command composes offline, no download -----------------------------------------------------------------
+
+GROUPS = ("method", "modelpool", "taskpool")
+
+
+class Composer:
+    """Composes a command as Hydra does, fast: its config-group choices (``method=``, ``modelpool=``,
+    ``taskpool=``) are each composed by Hydra once per distinct choice, and its value overrides (``key=value``,
+    ``~key``) are parsed by Hydra's override parser and applied by Hydra's own ``_apply_overrides_to_config``
+    (what ``compose`` does after the defaults list), so every override of every command meets Hydra's checks
+    (the key exists, the value parses). ``full`` composes a whole command the plain way."""
+
+    def __init__(self):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        self.parser = OverridesParser.create()
+        self.parts = {}
+        self.root = compose("fabric_model_fusion")
+
+    def _part(self, group, choice):
+        if choice not in self.parts:
+            self.parts[choice] = compose(None, overrides=[f"+{choice}", "+fast_dev_run=false"])[group]
+        return self.parts[choice]
+
+    def __call__(self, run):
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from omegaconf import open_dict
+
+        cfg = copy.deepcopy(self.root)
+        values = []
+        for arg in run.args:
+            key = arg.lstrip("~+").split("=", 1)[0]
+            if key in GROUPS:
+                with open_dict(cfg):
+                    cfg[key] = self._part(key, arg)
+            else:
+                values.append(arg)
+        ConfigLoaderImpl._apply_overrides_to_config(self.parser.parse_overrides(values), cfg)
+        return cfg
+
+    def full(self, run):
+        return compose("fabric_model_fusion", overrides=list(run.args))
+
+
+@pytest.fixture(scope="module")
+def composer():
+    import fusion_bench_config
+
+    mp = pytest.MonkeyPatch()
+    for key, value in OFFLINE.items():
+        mp.setenv(key, value)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a network connection was attempted: {args}")
+
+    mp.setattr(socket.socket, "connect", no_network)
+    mp.setattr(socket, "create_connection", no_network)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+        yield Composer()
+    GlobalHydra.instance().clear()
+    mp.undo()
+
+
+def check_composed(cfg, run, catalog, upstream_saves):
+    world = catalog.world
+    assert cfg.path.log_dir == str(catalog.run_dir(run.id))
+    setting = catalog.settings[run.setting]
+    tasks, _ = catalog.tasks(run.setting)
+    method = OmegaConf.to_container(cfg.method, resolve=True)
+    test_tasks = list(cfg.taskpool.test_datasets)
+    if run.kind == "upstream":
+        upstream_saves[run.id] = cfg.merged_model_save_path
+        assert cfg.merged_model_save_path == str(catalog.run_dir(run.id) / "merged")
+        if run.method == "adamerging":
+            assert method["name"] == "clip_layer_wise_adamerging"
+            assert method["save_merging_weights"] == str(catalog.run_dir(run.id) / "merging_weights.pt")
+        else:
+            assert method["_target_"].startswith("fusion_bench.method.")
+        if setting.family == "t5":
+            assert cfg.modelpool._target_ == SEQ2SEQ_SAVING_POOL
+    elif run.kind == "calibrator":
+        assert method["_target_"].startswith("featcal_fusionbench.")
+        assert method["merged_model_path"] == upstream_saves[run.depends[0]]
+        if run.calibrator == "featcal" and setting.family == "clip":
+            assert (method["lambda_"], method["rho"], method["alpha"]) == (0.05, 2.0, 0.3)
+        if world == "offline" and setting.family == "t5":
+            assert method["calibration_datasets"] is None
+    elif run.method == "finetuned":
+        assert test_tasks == [run.task]
+        assert cfg.modelpool.models._get_node("_pretrained_")._value() == f"${{.{run.task}}}"
+        if world == "hub":  # the expert's own pool entry, resolved (a hub name or its LoRA config)
+            models = OmegaConf.to_container(cfg.modelpool.models, resolve=True)
+            assert models["_pretrained_"] == models[run.task] and run.task in json.dumps(models[run.task])
+    else:
+        assert method["_target_"] == "fusion_bench.method.DummyAlgorithm"
+    if run.method != "finetuned":
+        assert test_tasks == list(tasks)
+        assert [m for m in cfg.modelpool.models if not m.startswith("_")] == list(tasks)
+    if world == "hub" and setting.family == "clip":
+        arch = "large-patch14" if run.setting.startswith("l14") else "base-patch32"
+        assert cfg.taskpool.base_model == f"openai/clip-vit-{arch}"
+        assert f"openai/clip-vit-{arch}" in json.dumps(OmegaConf.to_container(cfg.modelpool, resolve=True)["processor"])
+
+
+@pytest.mark.parametrize("world", ["hub", "offline"])
+def test_every_listed_command_composes_with_the_hub_unreachable(composer, tmp_path, world):
+    from fusion_bench.modelpool import Seq2SeqLMPool
+
+    from featcal_fusionbench.reproduce.pools import Seq2SeqLMPoolSavingPretrained
+
+    assert issubclass(Seq2SeqLMPoolSavingPretrained, Seq2SeqLMPool)
+    assert SEQ2SEQ_SAVING_POOL == f"{Seq2SeqLMPoolSavingPretrained.__module__}.Seq2SeqLMPoolSavingPretrained"
+    catalog = Catalog(world, tmp_path)
+    runs = all_runs(catalog)
+    assert len(runs) >= (212 if world == "hub" else 25)
+    upstream_saves = {}
+    for run in runs.values():
+        check_composed(composer(run), run, catalog, upstream_saves)
+    # the plain way, one command per setting and kind of run: the same config as the fast way
+    representatives = {}
+    for run in runs.values():
+        representatives.setdefault((run.setting, run.kind), run)
+    for run in representatives.values():
+        full = composer.full(run)
+        check_composed(full, run, catalog, upstream_saves)
+        full, fast = (OmegaConf.to_container(c) for c in (full, composer(run)))
+        full.pop("hydra", None), fast.pop("hydra", None)
+        assert full == fast, run.id
+
+
+def test_the_fast_composer_rejects_what_hydra_rejects(composer, tmp_path):
+    from dataclasses import replace
+
+    run = Catalog("hub", tmp_path).calibrator_run("b32-8", "ta", "featcal")
+    bad_key = replace(run, args=(*run.args, "method.no_such_option=1"))
+    bad_group = replace(run, args=tuple("taskpool=CLIPVisionModelTaskPool/no_such_pool" if a.startswith("taskpool=")
+                                        else a for a in run.args))
+    bad_delete = replace(run, args=(*run.args, "~taskpool.test_datasets.no_such_task"))
+    for bad, message in ((bad_key, "no_such_option"), (bad_group, "no_such_pool"), (bad_delete, "no_such_task")):
+        for compose_ in (composer, composer.full):
+            with pytest.raises(Exception, match=message):
+                compose_(bad)
+
+
+def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    picks = [catalog.select(["11"], ["adamerging+probsurgery"])[0].runs[0],
+             catalog.select(["3"], ["large/finetuned/glue-cola"])[0].runs[0]]
+    env = {**os.environ, **OFFLINE}
+    procs = [subprocess.Popen([FUSION_BENCH, *run.args, "--cfg", "job"], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for run in picks]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-3000:]
+    assert f"merged_model_path: {tmp_path.resolve()}/l14-20/adamerging/merged" in outputs[0]
+    assert "base_model: openai/clip-vit-large-patch14" in outputs[0]
+    assert "_pretrained_: ${.glue-cola}" in outputs[1]
+    assert not any(p.name != "outputs" for p in tmp_path.iterdir())  # nothing run, no run folder made
+
+
+def test_the_seq2seq_pool_saves_what_merged_model_path_loads(tmp_path):
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from featcal_fusionbench.reproduce.pools import Seq2SeqLMPoolSavingPretrained
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                num_decoder_layers=1, num_heads=2, decoder_start_token_id=0))
+    pool = Seq2SeqLMPoolSavingPretrained(models={"_pretrained_": "unused"}, tokenizer=None)
+    pool.save_model(model, str(tmp_path / "merged"))
+    loaded = T5ForConditionalGeneration.from_pretrained(tmp_path / "merged")  # what FeatCal's loader calls
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+# -- the runner ----------------------------------------------------------------------------------------------------
+
+def fake_executor(calls, fail=()):
+    """Writes what FusionBench would: the report in path.log_dir, the merged model, AdaMerging's weights."""
+
+    def execute(args, run_dir, log_path, env):
+        calls.append(str(run_dir))
+        values = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("~"))
+        assert Path(values["path.log_dir"]) == run_dir
+        log_path.write_text("log\n")
+        if any(str(run_dir).endswith(f) for f in fail):
+            return 1
+        if "merged_model_save_path" in values:
+            merged = Path(values["merged_model_save_path"])
+            merged.mkdir(parents=True, exist_ok=True)
+            (merged / "config.json").write_text("{}")
+        if "method.save_merging_weights" in values:
+            Path(values["method.save_merging_weights"]).write_bytes(b"weights")
+        (run_dir / "program_report.json").write_text(json.dumps({"mnist": {"accuracy": 0.5}, "average": {"accuracy": 0.5}}))
+        return 0
+
+    return execute
+
+
+def test_runner_saves_each_upstream_once_resumes_and_reruns_what_changed(tmp_path):
+    calls = []
+    catalog = Catalog("hub", tmp_path)
+    rows = catalog.select(["1"], ["ta+*", "adamerging+featcal"])
+    runner = Runner(catalog, fake_executor(calls), log=lambda _: None)
+    assert [r.id for r in runner.plan(rows)] == [
+        "b32-8/ta", "b32-8/ta+surgery", "b32-8/ta+probsurgery", "b32-8/ta+featcal", "b32-8/adamerging",
+        "b32-8/adamerging+featcal"]
+    summary = runner.run(rows)
+    assert summary.ok and summary.count("ran") == 6
+    assert calls.count(str(catalog.run_dir("b32-8/ta"))) == 1  # the upstream ran once, before its calibrators
+    assert calls.index(str(catalog.run_dir("b32-8/ta"))) == 0
+    assert (catalog.run_dir("b32-8/adamerging") / "merging_weights.pt").is_file()
+    result = load_result(catalog.run_dir("b32-8/ta+featcal"))
+    assert result["command"] == catalog.calibrator_run("b32-8", "ta", "featcal").command
+    assert result["depends_on"] == {"b32-8/ta": load_result(catalog.run_dir("b32-8/ta"))["stamp"]}
+    assert not list(tmp_path.rglob(".*.tmp-*"))  # written atomically
+
+    calls.clear()  # everything has a report from the same command: nothing runs
+    summary = runner.run(rows)
+    assert calls == [] and summary.count("resumed") == 6
+
+    # a partially written run (report, no result) runs again, alone
+    (catalog.run_dir("b32-8/ta+surgery") / "result.json").unlink()
+    runner.run(rows)
+    assert calls == [str(catalog.run_dir("b32-8/ta+surgery"))]
+
+    # changed calibrator commands rerun the calibrators, not the upstream mergers
+    calls.clear()
+    catalog16 = Catalog("hub", tmp_path, ["method.num_calibration_examples=16"])
+    summary = Runner(catalog16, fake_executor(calls), log=lambda _: None).run(catalog16.select(["1"], ["ta+*"]))
+    assert sorted(calls) == sorted(str(catalog.run_dir(f"b32-8/ta+{c}")) for c in CALIBRATORS)
+    assert summary.count("resumed") == 1
+
+    # an upstream made again (its result lost) reruns every calibrator that read it, commands unchanged
+    calls.clear()
+    (catalog.run_dir("b32-8/ta") / "result.json").unlink()
+    runner.run(catalog.select(["1"], ["ta+*"]))
+    assert calls[0] == str(catalog.run_dir("b32-8/ta")) and len(calls) == 4
+
+
+def test_runner_does_not_run_calibrators_of_a_failed_upstream(tmp_path):
+    calls = []
+    catalog = Catalog("hub", tmp_path)
+    summary = Runner(catalog, fake_executor(calls, fail=("b32-8/wudi",)), log=lambda _: None).run(
+        catalog.select(["1"], ["wudi", "wudi+featcal", "pretrained"]))
+    statuses = {o.run.id: o.status for o in summary.outcomes}
+    assert statuses == {"b32-8/pretrained": "ran", "b32-8/wudi": "failed", "b32-8/wudi+featcal": "skipped"}
+    assert not summary.ok and "run.log" in summary.text()
+    assert calls == [str(catalog.run_dir("b32-8/pretrained")), str(catalog.run_dir("b32-8/wudi"))]
+    assert load_result(catalog.run_dir("b32-8/wudi")) is None
+
+
+# -- the renderer --------------------------------------------------------------------------------------------------
+
+def write_result(catalog, run, report):
+    folder = catalog.run_dir(run.id)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "result.json").write_text(json.dumps({"id": run.id, "command": run.command, "report": report,
+                                                    "stamp": "s", "depends_on": {}}))
+
+
+def clip_report(values):
+    report = {t: {"accuracy": v / 100, "loss": 1.0} for t, v in values.items()}
+    report["average"] = {"accuracy": sum(values.values()) / len(values) / 100, "loss": 1.0}
+    return report
+
+
+def test_renderer_writes_paper_ours_and_diff(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    paper = PAPER["1"]["rows"]
+    tasks = HUB_SETTINGS["b32-8"].tasks
+    write_result(catalog, catalog.upstream_run("b32-8", "ta"), clip_report({t: paper["b32-8/ta"][t] + 0.3 for t in tasks}))
+    featcal = {t: paper["b32-8/ta+featcal"][t] - 1.0 for t in tasks}
+    # a report with sections (return_upstream) is read from the calibrator's own section
+    write_result(catalog, catalog.calibrator_run("b32-8", "ta", "featcal"),
+                 {"upstream": clip_report({t: 0.0 for t in tasks}), "featcal": clip_report(featcal)})
+    for t in tasks:
+        write_result(catalog, catalog.finetuned_run("b32-8", t), clip_report({t: paper["b32-8/finetuned"][t]}))
+    stale = catalog.upstream_run("b32-8", "wudi")
+    write_result(Catalog("hub", tmp_path, all_overrides=["seed=1"]),
+                 Catalog("hub", tmp_path, all_overrides=["seed=1"]).upstream_run("b32-8", "wudi"), clip_report({"mnist": 1.0}))
+    results, stale_results = collect(catalog, catalog.rows("1"))
+    assert set(stale_results) == {stale.id}
+    model = build_table(catalog, "1", results, stale_results)
+
+    md = markdown(model)
+    ta_avg = round(sum(paper["b32-8/ta"][t] + 0.3 for t in tasks) / 8, 1)
+    assert f"| Task Arithmetic | 67.5 | {ta_avg:.1f} | {ta_avg - 67.5:+.1f} |" in md
+    # the mean of its eight per-task runs (the paper's own eight cells average to 90.375; it prints 90.3)
+    assert "| Fine-tuned (STL) | 90.3 | 90.4 | +0.1 |" in md
+    assert "| Task Arithmetic | paper | 57.0 | 55.7 |" in md and "|  | diff | +0.3 | +0.3 |" in md
+    assert "| WUDI-Merging (no result) | 84.5 |  |  |" in md and "another command line" in md
+    assert "| Traditional MTL (not run) | 88.6 |  |  |" in md
+
+    tex = latex(model)
+    assert r"Task Arithmetic & paper & 57.0 & 55.7" in tex and r"& $\Delta$ & +0.3 & +0.3" in tex
+    assert r"\begin{tabular}{ll" + "r" * 9 + "}" in tex
+
+    rows = list(__import__("csv").DictReader(csv_text(model).splitlines()))
+    cell = next(r for r in rows if r["row"] == "ta+featcal" and r["column"] == "svhn")
+    assert (cell["paper"], float(cell["ours"]), float(cell["diff"])) == ("95.0", 94.0, -1.0)
+    assert next(r for r in rows if r["row"] == "wudi" and r["column"] == "average")["status"] == "missing"
+    written = write_tables([model], tmp_path / "tables")
+    assert sorted(p.name for p in written) == ["table_1.csv", "table_1.md", "table_1.tex"]
+
+
+def test_renderer_offline_has_an_empty_paper_column_and_table_2_pivots_settings(tmp_path):
+    catalog = Catalog("offline", tmp_path)
+    tasks, _ = catalog.tasks("offline-clip8")
+    write_result(catalog, catalog.upstream_run("offline-clip8", "ta"), clip_report({t: 30.0 for t in tasks}))
+    results, _ = collect(catalog, catalog.rows("1"))
+    model = build_table(catalog, "1", results)
+    rows = list(__import__("csv").DictReader(csv_text(model).splitlines()))
+    assert rows and all(r["paper"] == "" and r["diff"] == "" for r in rows)
+    assert [r["column"] for r in rows if r["row"] == "ta"] == [*tasks, "average"]
+    md = markdown(model)
+    assert "| Task Arithmetic |  | 30.0 |  |" in md  # the averages: paper and diff empty
+    grid = [[c.strip() for c in line.split("|")] for line in md.splitlines() if line.startswith("| ")]
+    assert not any(cells[2] in ("paper", "diff") and cells[1] != "Method" for cells in grid)
+    assert "| Task Arithmetic | ours | 30.0 |" in md
+
+    hub = Catalog("hub", tmp_path / "hub")
+    write_result(hub, hub.calibrator_run("b32-20", "ta", "featcal"), clip_report({"mnist": 80.0}))
+    table2 = build_table(hub, "2", collect(hub, hub.rows("2"))[0])
+    assert [c for c, _ in table2.blocks[0].columns] == ["l14-8", "b32-14", "l14-14", "b32-20", "l14-20"]
+    row = next(r for r in table2.blocks[0].rows if r.method == "ta+featcal")
+    assert (row.cells["b32-20"].paper, row.cells["b32-20"].ours, row.cells["b32-20"].shown_diff) == (79.4, 80.0, 0.6)
+    assert "8-Task L/14" in markdown(table2)
+    table3 = latex(build_table(hub, "3", {}))
+    assert r"Spearman’s $\rho$" in table3 and "& STS-B & Avg." in table3 and "& ours & -- &" in table3
+
+
+def test_scores_reads_text_reports_with_spearman_and_the_average():
+    report = {"glue-cola": {"accuracy": 0.7}, "glue-stsb": {"spearman_rho": 0.8}, "average": {"score": 0.75}}
+    assert scores(report) == pytest.approx({"glue-cola": 70.0, "glue-stsb": 80.0, "average": 75.0})
