@@ -111,29 +111,6 @@ def plot_drift(drift: Mapping, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_cosine(cosine: Mapping, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(cosine)
-    tasks = list(next(iter(cosine.values())))
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(tasks)), 3.8))
-    for i, name in enumerate(names):
-        ax.bar([t + i * width for t in range(len(tasks))], [cosine[name][t] for t in tasks], width, label=name)
-    ax.set_xticks([t + width * (len(names) - 1) / 2 for t in range(len(tasks))])
-    ax.set_xticklabels(tasks, rotation=30, ha="right")
-    ax.set_ylabel("final-feature cosine to the expert")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def plot_groups(values: Mapping[str, Mapping[str, float]], path: Path, ylabel: str, title: str,
                 reference: Optional[float] = None) -> None:
     """Grouped bars: one group per inner key (e.g. corruption), one bar per outer key (e.g. calibrator)."""
@@ -145,13 +122,13 @@ def plot_groups(values: Mapping[str, Mapping[str, float]], path: Path, ylabel: s
     names = list(values)
     groups = list(next(iter(values.values())))
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 3.8))
+    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(groups)), 3.8))
     for i, name in enumerate(names):
         ax.bar([g + i * width for g in range(len(groups))], [values[name][g] for g in groups], width, label=name)
     if reference is not None:
         ax.axhline(reference, color="black", linestyle="--", linewidth=1, label="upstream")
     ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))])
-    ax.set_xticklabels(groups)
+    ax.set_xticklabels(groups, rotation=30 if len(groups) > 5 else 0, ha="right" if len(groups) > 5 else "center")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)

@@ -83,7 +83,7 @@ def features(args) -> None:
     from featcal_fusionbench.baselines.sites import CLIPImageFeatureSite
     from featcal_fusionbench.data import calibration_indices
     from featcal_fusionbench.diagnostics import (
-        FixedUpstream, block_drift, final_feature_cosine, load_report, plot_cosine, plot_drift, write_json,
+        FixedUpstream, block_drift, final_feature_cosine, load_report, plot_drift, plot_groups, write_json,
     )
 
     out, runs = folders(args, "features")
@@ -134,7 +134,7 @@ def features(args) -> None:
     write_json(out / "cosine.json", {**provenance, "cosine": cosine})
     stamp = f"{provenance['command']} | {provenance['date']}"
     plot_drift(drift, out / "drift.png", f"Per-block feature drift to the experts (thin: tasks)\n{stamp}")
-    plot_cosine(cosine, out / "cosine.png", f"Final-feature cosine to the expert\n{stamp}")
+    plot_groups(cosine, out / "cosine.png", "final-feature cosine to the expert", f"Final-feature cosine per task\n{stamp}")
     for name, per_task in cosine.items():
         print(f"{name:18s} " + " ".join(f"{t}={v:.3f}" for t, v in per_task.items()))
     print(f"wrote {out}/drift.{{json,png}} and cosine.{{json,png}} in {provenance['seconds']['total']:.0f} s")
