@@ -58,7 +58,8 @@ LogFn = Callable[[Dict[str, float], int], None]
 @contextmanager
 def on_device(modules: Iterable[nn.Module], device: torch.device):
     """Move modules to ``device`` for the duration of the block, then put them back."""
-    modules = list(modules)
+    # Once each: a module listed twice (T5's shared embedding) would otherwise record the device as its origin.
+    modules = list({id(m): m for m in modules}.values())
     origins = []
     for module in modules:
         first = next(itertools.chain(module.parameters(), module.buffers()), None)

@@ -174,3 +174,26 @@ def test_norms_stay_merged_when_norm_calibration_is_off():
     assert not any("layer_norm" in m for b in report["blocks"] for m in b["modules"])
     drift = report["blocks"][-1]["drift"]
     assert all(d["after"]["l2"] < d["before"]["l2"] for d in drift.values())
+
+
+def test_shared_modules_return_to_where_they_were():
+    """T5's encoder and decoder share one embedding: moving the stem for a block must put it back once."""
+    from featcal_fusionbench.engine import on_device
+
+    model = tiny_t5()
+    modules = T5Adapter().stem_modules(model)
+    assert modules[0] is modules[1]  # the shared embedding, listed for both stacks
+    moved = []
+    original_to = torch.nn.Module.to
+
+    def spy(self, *args, **kwargs):
+        moved.append((id(self), args[0] if args else kwargs.get("device")))
+        return original_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = spy
+    try:
+        with on_device(modules, torch.device("cpu")):
+            pass
+    finally:
+        torch.nn.Module.to = original_to
+    assert [d for i, d in moved if i == id(model.shared)] == [torch.device("cpu"), torch.device("cpu")]
