@@ -153,8 +153,8 @@ def plot_sweeps(results: Mapping, path: Path, title: str) -> None:
             colour = f"C{i}"
             ax.plot(per_factor[factor]["values"], per_factor[factor]["accuracy"], "o-", color=colour, label=f"{upstream} + FeatCal")
             ax.axhline(results["upstream"][upstream], color=colour, linestyle="--", linewidth=1, label=f"{upstream}")
-        if factor == "lambda_":
-            ax.set_xscale("symlog", linthresh=1e-4)
+        if factor == "lambda_" and all(v > 0 for p in results["featcal"].values() for v in p[factor]["values"]):
+            ax.set_xscale("log")
         ax.set_xlabel(factor.rstrip("_"))
         ax.set_ylabel("average accuracy (%)")
         ax.grid(alpha=0.3)
