@@ -130,15 +130,21 @@ class CorruptedImageDataset(Dataset):
         self.corruption = corruption
         self.severity = severity
         self.seed = [seed, zlib.crc32(corruption.encode())]
+        self._cache = {}
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        item = dict(self.dataset[int(index)])
-        rng = np.random.default_rng([*self.seed, int(index)])
-        item["image"] = corrupt(item["image"], self.corruption, self.severity, rng)
-        return item
+        index = int(index)
+        if index not in self._cache:
+            # Seeded by index, so keeping the result is exact; streamed calibrators (Surgery) read each example many
+            # times, and a 224 x 224 motion blur is 31 shifted copies of the image.
+            item = dict(self.dataset[index])
+            rng = np.random.default_rng([*self.seed, index])
+            item["image"] = corrupt(item["image"], self.corruption, self.severity, rng)
+            self._cache[index] = item
+        return dict(self._cache[index])
 
 
 __all__ = ["CORRUPTIONS", "CorruptedImageDataset", "check_severity", "corrupt", "fog", "gaussian_noise", "motion_blur", "plasma_fractal"]
