@@ -395,10 +395,10 @@ class Catalog:
                                    "training, not a merging recipe (no FusionBench command reproduces it here)", **base))
                     continue
                 tasks, why = self.tasks(key)
+                if why:  # e.g. the world's pool config is not installed: no command of this setting composes
+                    out.append(Row(setting=key, skip=why, **base))
+                    continue
                 if method == "finetuned":
-                    if why:
-                        out.append(Row(setting=key, skip=why, **base))
-                        continue
                     runs = tuple(self.finetuned_run(key, t) for t in tasks)
                 elif method == "pretrained":
                     runs = (self.pretrained_run(key),)
