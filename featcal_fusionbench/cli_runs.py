@@ -25,6 +25,13 @@ def fusion_bench_executable() -> str:
     return str(beside) if beside.exists() else "fusion_bench"
 
 
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
 def _report_paths(run_dir: Path, jobs: int) -> List[Path]:
     if jobs == 0:
         return [run_dir / REPORT]

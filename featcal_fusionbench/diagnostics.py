@@ -23,9 +23,8 @@ from .baselines.sites import CLIPImageFeatureSite
 class FixedUpstream:
     """An upstream "merger" that hands out copies of one merged model, so every calibrator starts from it."""
 
-    def __init__(self, model: nn.Module, description: str):
+    def __init__(self, model: nn.Module):
         self.model = model
-        self.description = description
 
     def run(self, modelpool):
         return copy.deepcopy(self.model)
@@ -163,12 +162,6 @@ def plot_sweeps(results: Mapping, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write_json(path: Path, payload: Mapping) -> None:
-    tmp = path.with_suffix(path.suffix + ".partial")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
 
 
 def load_report(log_dir: Path, name: str) -> Optional[dict]:

@@ -81,9 +81,10 @@ def features(args) -> None:
 
     from featcal_fusionbench import FeatCalAlgorithm, SurgeryAlgorithm
     from featcal_fusionbench.baselines.sites import CLIPImageFeatureSite
+    from featcal_fusionbench.cli_runs import write_json_atomic
     from featcal_fusionbench.data import calibration_indices
     from featcal_fusionbench.diagnostics import (
-        FixedUpstream, block_drift, final_feature_cosine, load_report, plot_drift, plot_groups, write_json,
+        FixedUpstream, block_drift, final_feature_cosine, load_report, plot_drift, plot_groups,
     )
 
     out, runs = folders(args, "features")
@@ -93,7 +94,7 @@ def features(args) -> None:
     tasks = list(pool.model_names)
     fabric = L.Fabric(accelerator="auto", devices=1, loggers=[L.fabric.loggers.CSVLogger(str(runs / "logs"))])
     merged = TaskArithmeticAlgorithm(scaling_factor=0.3, inplace=False).run(pool)
-    upstream = FixedUpstream(merged, "Task Arithmetic (0.3)")
+    upstream = FixedUpstream(merged)
 
     def calibrate(cls, config, **overrides):
         method = cls(**{**method_config(config), **overrides, "upstream": upstream})
@@ -130,8 +131,8 @@ def features(args) -> None:
         "seconds": {"featcal": featcal_s, "surgery": surgery_s, "total": time.perf_counter() - started},
         "test_examples_per_task": {t: len(d) for t, d in test_sets.items()},
     }
-    write_json(out / "drift.json", {**provenance, "drift": drift})
-    write_json(out / "cosine.json", {**provenance, "cosine": cosine})
+    write_json_atomic(out / "drift.json", {**provenance, "drift": drift})
+    write_json_atomic(out / "cosine.json", {**provenance, "cosine": cosine})
     stamp = f"{provenance['command']} | {provenance['date']}"
     plot_drift(drift, out / "drift.png", f"Per-block feature drift to the experts (thin: tasks)\n{stamp}")
     plot_groups(cosine, out / "cosine.png", "final-feature cosine to the expert", f"Final-feature cosine per task\n{stamp}")
@@ -176,14 +177,14 @@ def corruption_override(tasks, corruption: str, severity: int) -> str:
 
 
 def corruption(args) -> None:
-    from featcal_fusionbench.cli_runs import run_fusion_bench
-    from featcal_fusionbench.diagnostics import plot_groups, write_json
+    from featcal_fusionbench.cli_runs import run_fusion_bench, write_json_atomic
+    from featcal_fusionbench.diagnostics import plot_groups
 
     started = time.perf_counter()
     tasks = list(load_pool_configs(args.world)[0].models)
     tasks.remove("_pretrained_")
     out, runs = folders(args, "corruption")
-    results: dict = {"accuracy": {}, "seconds": {}}
+    results: dict = {"accuracy": {}, "calibration_seconds": {}}
     for calibrator in args.calibrators.split(","):
         for name in args.corruptions.split(","):
             print(f"{calibrator} calibrated on {name}", flush=True)
@@ -195,13 +196,13 @@ def corruption(args) -> None:
             ], offline=args.world != "hub")
             results["accuracy"].setdefault(calibrator, {})[name] = average_accuracy(report[calibrator])
             calibration = report[f"{calibrator}_calibration"]
-            results["seconds"].setdefault(calibrator, {})[name] = calibration["seconds"]
+            results["calibration_seconds"].setdefault(calibrator, {})[name] = calibration["seconds"]
             results.setdefault("calibration_data", {}).setdefault(calibrator, {})[name] = calibration.get("calibration_data")
             results["upstream"] = average_accuracy(report["upstream"])
     for per in results["accuracy"].values():
         per["average"] = sum(per.values()) / len(per)
     payload = {**provenance(args, started), "n": args.n, "severity": args.severity, **results}
-    write_json(out / "corruption.json", payload)
+    write_json_atomic(out / "corruption.json", payload)
     plot_groups(results["accuracy"], out / "corruption.png", "average accuracy (%), clean test sets",
                 f"Calibration data corrupted (severity {args.severity}); Task Arithmetic {results['upstream']:.1f}\n"
                 f"{payload['command']} | {payload['date']}", reference=results["upstream"])
@@ -215,8 +216,8 @@ SWEEP_UPSTREAMS = {
 
 
 def sweep(args) -> None:
-    from featcal_fusionbench.cli_runs import run_fusion_bench
-    from featcal_fusionbench.diagnostics import plot_sweeps, write_json
+    from featcal_fusionbench.cli_runs import run_fusion_bench, write_json_atomic
+    from featcal_fusionbench.diagnostics import plot_sweeps
 
     started = time.perf_counter()
     out, runs = folders(args, "sweep")
@@ -242,7 +243,7 @@ def sweep(args) -> None:
                 "values": values, "accuracy": [average_accuracy(r) for r in reports],
             }
     payload = {**provenance(args, started), "n": args.n, "defaults": "paper: lambda 0.05, rho 2.0, alpha 0.3", **results}
-    write_json(out / "sweep.json", payload)
+    write_json_atomic(out / "sweep.json", payload)
     plot_sweeps(results, out / "sweep.png", f"FeatCal single-factor sweeps (others at the paper's values)\n"
                 f"{payload['command']} | {payload['date']}")
     print(json.dumps(results, indent=1))

@@ -17,25 +17,19 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..cli_runs import OFFLINE_ENV, fusion_bench_executable, write_json_atomic
 from .catalog import Catalog, Row, Run, world_unavailable
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 RESULT = "result.json"
 REPORT = "program_report.json"
 
 # (argv after `fusion_bench`, the run's folder, its log file, environment) -> exit status
 Executor = Callable[[Sequence[str], Path, Path, Dict[str, str]], int]
-
-
-def fusion_bench_executable() -> str:
-    beside = Path(sys.executable).with_name("fusion_bench")
-    return str(beside) if beside.exists() else "fusion_bench"
 
 
 def subprocess_executor(cwd: Path) -> Executor:
@@ -48,12 +42,6 @@ def subprocess_executor(cwd: Path) -> Executor:
                                   stderr=subprocess.STDOUT).returncode
 
     return execute
-
-
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def load_result(run_dir: Path) -> Optional[dict]:
