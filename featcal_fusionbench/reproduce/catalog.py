@@ -279,10 +279,8 @@ def world_unavailable(setting: Setting) -> Optional[str]:
     """Why an offline setting cannot run now (its world is not built), or None."""
     if setting.world is None:
         return None
-    try:
-        from .worlds.registry import is_built
-    except Exception as error:  # pragma: no cover - a broken install
-        return f"cannot check the offline world {setting.world!r}: {type(error).__name__}: {error}"
+    from ..worlds.registry import is_built
+
     try:
         built = is_built(setting.world)
     except KeyError as error:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional
 
 from .clip_world import CLIP8, build_clip_world
+from .t5_world import T5_WORLD, build_t5_world
 from .toy_clip import ToyCLIPSpec, build_toy_clip_world
 
 ENV_DIR = "FEATCAL_WORLDS_DIR"
@@ -43,6 +44,14 @@ WORLDS: Dict[str, World] = {
         build=lambda root: build_clip_world(root, CLIP8),
         modelpool="CLIPVisionModelPool/offline_clip8",
         taskpool="CLIPVisionModelTaskPool/offline_clip8",
+        packaged=True,
+    ),
+    "t5": World(
+        name="t5",
+        description="5 real packaged text tasks (fortunes, word list), byte-level tiny FLAN-T5, fully fine-tuned experts",
+        build=lambda root: build_t5_world(root, T5_WORLD),
+        modelpool="Seq2SeqLMPool/offline_t5",
+        taskpool="offline_t5_text_generation",
         packaged=True,
     ),
 }
