@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -112,6 +113,19 @@ def test_an_unbuilt_offline_world_is_named_with_its_build_command(tmp_path, monk
     (tmp_path / "t5" / "world.json").write_text("{}")
     assert world_unavailable(setting) is None
     assert world_unavailable(HUB_SETTINGS["t5-base"]) is None
+
+
+def test_one_task_text_pools_keep_only_that_tasks_regression_entry(tmp_path):
+    from featcal_fusionbench.worlds.text_sources import REGRESSION_TASKS
+
+    assert OFFLINE_SETTINGS["offline-t5"].regression_tasks == tuple(REGRESSION_TASKS)
+    glue = yaml.safe_load((REPO / "config/taskpool/flan-t5_glue_text_generation_average.yaml").read_text())
+    assert HUB_SETTINGS["t5-base"].regression_tasks == tuple(glue["regression_tasks"])
+    for world, key in (("hub", "t5-base"), ("offline", "offline-t5")):
+        rows = [r for r in Catalog(world, tmp_path).rows("3") if r.setting == key and r.method == "finetuned"]
+        for run in rows[0].runs:
+            expected = run.task if run.task in HUB_SETTINGS["t5-base"].regression_tasks + ("wordcount",) else ""
+            assert f"taskpool.regression_tasks=[{expected}]" in run.args
 
 
 def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp_path):

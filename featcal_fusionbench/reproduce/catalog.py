@@ -76,6 +76,8 @@ class Setting:
     upstream_overrides: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     world: Optional[str] = None  # offline world name
     offline_env: bool = False  # run with HF_*_OFFLINE=1
+    # tasks scored by Spearman's rho: a text task pool cut down to one task must list only that task's, if any
+    regression_tasks: Tuple[str, ...] = ()
 
     def calibrator_config(self, calibrator: str, upstream: str) -> str:
         return self.calibrator_configs[calibrator].format(u=upstream)
@@ -110,12 +112,13 @@ HUB_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
     Setting(
         key="t5-base", title="FLAN-T5-base, 8 GLUE tasks (full fine-tuned experts)", family="t5",
         modelpool="Seq2SeqLMPool/flan-t5-base_glue", taskpool="flan-t5_glue_text_generation_average",
-        tasks=GLUE, calibrator_configs=T5_CALIBRATORS,
+        tasks=GLUE, calibrator_configs=T5_CALIBRATORS, regression_tasks=("glue-stsb",),
     ),
     Setting(
         key="t5-large", title="FLAN-T5-large, 8 GLUE tasks (LoRA-16 experts)", family="t5",
         modelpool="Seq2SeqLMPool/flan-t5-large_glue_lora16", taskpool="flan-t5_glue_text_generation_average",
         tasks=GLUE, calibrator_configs={**T5_CALIBRATORS, "featcal": "featcal/flan_t5_large_ta"},
+        regression_tasks=("glue-stsb",),
     ),
 ]}
 
@@ -135,6 +138,7 @@ OFFLINE_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
         # the paper's FLAN-T5 calibrator settings; calibration examples from the pool's own train splits
         calibrator_overrides=("method.calibration_datasets=null",),
         world="t5", offline_env=True,
+        regression_tasks=("wordcount",),  # text_sources.REGRESSION_TASKS (not imported: it would load the worlds)
     ),
 ]}
 
@@ -365,6 +369,9 @@ class Catalog:
             taskpool = [f"taskpool={setting.single_task_taskpool.format(task=task)}"]
         else:
             taskpool = [f"taskpool={setting.taskpool}", *(f"~taskpool.test_datasets.{t}" for t in tasks if t != task)]
+            if setting.family == "t5":
+                kept = ",".join(t for t in setting.regression_tasks if t == task)
+                taskpool.append(f"taskpool.regression_tasks=[{kept}]")
         pool = [f"modelpool.models._pretrained_=${{.{task}}}"]  # dummy returns `_pretrained_`: here the expert
         args = self._args(setting, run_id, ["method=dummy"], taskpool, pool,
                           single_task=bool(setting.single_task_taskpool))
