@@ -164,3 +164,17 @@ def tiny_t5_world(num_tasks: int = 2, seed: int = 0, batches: int = 2, pad_to: i
             t5_batch([5 + b, 9, 3 + i], [2, 4 + b, 3], pad_to, target_pad_to, seed=100 * i + b) for b in range(batches)
         ]
     return base, experts, merged, data
+
+
+def compose_pools(modelpool: str, taskpool: str):
+    """(modelpool, taskpool) configs as the `fusion_bench` CLI composes them (this package's search-path plugin
+    included), unresolved."""
+    import fusion_bench_config
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+        cfg = compose("fabric_model_fusion", overrides=[f"modelpool={modelpool}", f"taskpool={taskpool}"])
+    GlobalHydra.instance().clear()
+    return cfg.modelpool, cfg.taskpool

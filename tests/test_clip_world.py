@@ -9,13 +9,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from featcal_fusionbench.worlds.clip_world import CLIP8, CLIPWorldSpec, TaskSpec, build_clip_world
 from featcal_fusionbench.worlds.registry import ENV_DIR
 from fusion_bench.utils import instantiate
+
+from helpers import compose_pools
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,17 +29,7 @@ MINI = CLIPWorldSpec(
 
 
 def packaged_pools(subset):
-    """The packaged pool configs as the CLI composes them (with this package's search-path plugin)."""
-    import fusion_bench_config
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
-        cfg = compose(
-            "fabric_model_fusion",
-            overrides=[f"modelpool=CLIPVisionModelPool/{subset}", f"taskpool=CLIPVisionModelTaskPool/{subset}"],
-        )
-    GlobalHydra.instance().clear()
-    return cfg.modelpool, cfg.taskpool
+    return compose_pools(f"CLIPVisionModelPool/{subset}", f"CLIPVisionModelTaskPool/{subset}")
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import pytest
 import torch
 import yaml
 from datasets import load_from_disk
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from featcal_fusionbench.worlds import text_sources
@@ -19,6 +17,8 @@ from featcal_fusionbench.worlds.t5_world import (
 )
 from featcal_fusionbench.worlds.text_sources import TaskSizes
 from fusion_bench.utils import instantiate
+
+from helpers import compose_pools
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,16 +32,7 @@ MINI = T5WorldSpec(
 
 
 def packaged_pools():
-    import fusion_bench_config
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
-        cfg = compose(
-            "fabric_model_fusion",
-            overrides=[f"modelpool={WORLDS['t5'].modelpool}", f"taskpool={WORLDS['t5'].taskpool}"],
-        )
-    GlobalHydra.instance().clear()
-    return cfg.modelpool, cfg.taskpool
+    return compose_pools(WORLDS["t5"].modelpool, WORLDS["t5"].taskpool)
 
 
 @pytest.fixture(scope="module")
