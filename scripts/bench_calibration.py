@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 
@@ -45,7 +46,9 @@ ARCHS = {
 }
 
 
-def build(arch: str, tasks: int, n: int, seed: int = 0):
+def build(arch: str, tasks: int, n: int, seed: int = 0, noise_device: str = "cpu"):
+    """Base, experts (base + small seeded noise), their Task Arithmetic merge (0.3) and synthetic images.
+    ``noise_device="cuda"`` draws the noise there (ViT-L/14 with 20 experts draws 6e9 numbers)."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(seed)
@@ -59,7 +62,7 @@ def build(arch: str, tasks: int, n: int, seed: int = 0):
         expert = copy.deepcopy(base)
         with torch.no_grad():
             for k, p in expert.state_dict().items():
-                delta = 1e-3 * torch.randn_like(p)
+                delta = 1e-3 * torch.randn(p.shape, dtype=p.dtype, device=noise_device).cpu()
                 p.add_(delta)
                 merged_state[k] += 0.3 * delta
         experts[name] = expert
@@ -123,34 +126,48 @@ def run_featcal(args, config, base, merged, experts, images, device):
     }
 
 
-def run_surgery(args, config, base, merged, experts, images, device, cls):
+def tensor_site(config, device):
+    """The baselines' CLIP feature site (projected, normalised image embedding) over a tensor of images
+    instead of a dataset: seeded shuffled batches, recycled, as the calibration loader gives them."""
+    from featcal_fusionbench.baselines.sites import CLIPImageFeatureSite
+
+    class TensorSite(CLIPImageFeatureSite):
+        def __init__(self, projection):
+            self.projection, self.dim = projection, projection.out_features
+
+        def batches(self, images, batch_size, shuffle, seed):
+            generator = torch.Generator().manual_seed(seed)
+            while True:
+                yield from batches(images[torch.randperm(len(images), generator=generator)], batch_size)
+
+    torch.manual_seed(0)
+    projection = torch.nn.Linear(config.hidden_size, config.projection_dim, bias=False)
+    return TensorSite(projection.requires_grad_(False)).to(device)
+
+
+def run_surgery(args, config, base, merged, experts, images, device, cls, steps=None):
+    """The baseline's own training loop (``train``) for ``steps`` iterations on streamed features."""
     import lightning as L
 
-    algo = cls(max_steps=args.surgery_steps, batch_size=16, num_calibration_examples=args.n)
+    steps = args.surgery_steps if steps is None else steps
+    algo = cls(max_steps=steps, batch_size=16, num_calibration_examples=args.n)
     algo._fabric_instance = L.Fabric(accelerator=device.type, devices=1)
-    torch.manual_seed(0)
-    projection = torch.nn.Linear(config.hidden_size, config.projection_dim, bias=False).to(device)
-    projection.requires_grad_(False)
+    site = tensor_site(config, device)
     tasks = list(experts)
-    wrapper = algo.build_wrapper(merged, tasks, config.projection_dim).to(device)
+    wrapper = algo.build_wrapper(copy.deepcopy(merged), tasks, site.dim).to(device)
     for expert in experts.values():
         expert.requires_grad_(False).to(device)
-    features = algo._feature_fn(projection)
-
-    def cycle(tensor):
-        while True:
-            for x in batches(tensor[torch.randperm(len(tensor))], 16):
-                yield x
-
     sync(device)
     started = time.perf_counter()
-    streams = {t: algo.feature_stream(features, wrapper.model, experts[t], cycle(images[t]), i) for i, t in enumerate(tasks)}
+    streams = {t: algo.feature_stream(site, wrapper.model, experts[t], images[t], i) for i, t in enumerate(tasks)}
     algo.train(wrapper, streams)
     sync(device)
     seconds = time.perf_counter() - started
-    per_step = seconds / max(args.surgery_steps, 1)
+    for expert in experts.values():
+        expert.to("cpu")
+    per_step = seconds / max(steps, 1)
     return seconds, {
-        "steps": args.surgery_steps,
+        "steps": steps,
         "seconds_per_step": per_step,
         "extrapolated_seconds_1000_steps": per_step * 1000,
     }
@@ -217,6 +234,34 @@ def worker(args) -> dict:
     }
 
 
+def in_subprocess(script: str, worker_key: str) -> dict:
+    """Run ``script`` again with ``--worker worker_key`` (a fresh process: its own peak RSS and device memory)
+    and return the result it prints; exit with its stderr if it fails."""
+    command = [sys.executable, script, *sys.argv[1:], "--worker", worker_key]
+    out = subprocess.run(command, capture_output=True, text=True)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        sys.exit(f"{worker_key} failed:\n{out.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def provenance(script: str, device: str) -> dict:
+    return {
+        "command": "python " + " ".join([os.path.relpath(script)] + sys.argv[1:]),
+        "date": date.today().isoformat(),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs"
+        + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""),
+        "torch": torch.__version__,
+    }
+
+
+def write_json(path: str, data) -> None:
+    from featcal_fusionbench.cli_runs import write_json_atomic
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_json_atomic(Path(path), data)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(ARCHS), default="clip-vit-base-patch32")
@@ -249,12 +294,7 @@ def main():
 
     results = []
     for method in methods:
-        command = [sys.executable, __file__, *sys.argv[1:], "--worker", method]
-        out = subprocess.run(command, capture_output=True, text=True)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if out.returncode != 0 or line is None:
-            sys.exit(f"{method} failed:\n{out.stderr[-4000:]}")
-        result = json.loads(line[len("RESULT "):])
+        result = in_subprocess(__file__, method)
         results.append(result)
         print(
             f"{method:12s} {result['seconds']:9.2f} s  floor {result['forward_floor_seconds']:8.2f} s  "
@@ -269,18 +309,12 @@ def main():
         if result.get("phase_seconds"):
             print("  " + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(result["phase_seconds"].items(), key=lambda kv: -kv[1])))
     summary = {
-        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-        "date": date.today().isoformat(),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs"
-        + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
-        "torch": torch.__version__,
+        **provenance(__file__, args.device),
         "arch": args.arch, "tasks": args.tasks, "n": args.n, "device": args.device,
         "results": results,
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Usage:
   python scripts/reproduce.py --table 2 --rows '*/ta+featcal'  # a subset (ids, prefixes, globs, method names)
   python scripts/reproduce.py --table I --list                 # App. I (Tables 7-11); also --table all, --table 1,3
   python scripts/reproduce.py --table 1 --render-only          # tables from the runs so far
+  python scripts/reproduce.py --table all --estimate docs/benchmarks/rows_cuda.json  # each table's time on the
+                                                               # device that scripts/bench_rows.py measured
   python scripts/reproduce.py --table 1 --world offline --rows ta,ta+featcal \\
       --override method.num_calibration_examples=16            # the offline CLIP world, a cheap smoke run
 
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="runs folder (default outputs/reproduce/WORLD)")
     parser.add_argument("--list", action="store_true", help="print the commands and exit")
     parser.add_argument("--render-only", action="store_true", help="render the tables from existing runs only")
+    parser.add_argument("--estimate", type=Path, metavar="BENCH_JSON",
+                        help="print each table's estimated time from scripts/bench_rows.py's JSON and exit")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="Hydra override for the calibrator runs (Surgery, ProbSurgery, FeatCal); repeatable")
     parser.add_argument("--override-all", action="append", default=[], metavar="KEY=VALUE",
@@ -49,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.list and args.render_only:
-        parser.error("--list and --render-only exclude each other")
+    if sum(map(bool, (args.list, args.render_only, args.estimate))) > 1:
+        parser.error("--list, --render-only and --estimate exclude each other")
     out = args.out or Path("outputs") / "reproduce" / args.world
     try:
         tables = parse_tables(args.table)
@@ -67,6 +71,9 @@ def main(argv=None) -> int:
         except BrokenPipeError:  # `... --list | head`
             sys.stdout = None
         return 0
+
+    if args.estimate:
+        return print_estimate(parser, catalog, tables, rows, args.estimate)
 
     from featcal_fusionbench.reproduce.render import build_table, markdown, write_tables
     from featcal_fusionbench.reproduce.runner import Runner, collect
@@ -87,6 +94,32 @@ def main(argv=None) -> int:
     print("wrote " + ", ".join(str(p) for p in written))
     print(f"wall time {time.perf_counter() - started:.0f} s")
     return status
+
+
+def print_estimate(parser, catalog, tables, rows, path: Path) -> int:
+    import json
+
+    from featcal_fusionbench.reproduce import estimate
+
+    try:
+        bench = json.loads(path.read_text())
+        components = estimate.by_setting(bench)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--estimate {path}: not a scripts/bench_rows.py result ({error})")
+    print(f"estimated from {path} ({bench.get('machine')}, {bench.get('date')}; {bench.get('command')})")
+    for table in tables:
+        chosen = [r for r in rows if r.table == table and r.runs]
+        settings = {r.setting for r in chosen}
+        tasks = {key: catalog.tasks(key)[0] for key in settings}
+        result = estimate.table_estimate(chosen, components, tasks, catalog.dependencies)
+        missing = ", ".join(result["missing_settings"])
+        if not result["run_seconds"]:
+            print(f"table {table}: not estimated (no components for {missing})")
+            continue
+        total = f"{estimate.format_hours(result['total_seconds'])} over {len(result['run_seconds'])} runs"
+        print(f"table {table}: " + (f"incomplete: {total} of the measured settings; no components for {missing}"
+                                    if missing else total))
+    return 0
 
 
 if __name__ == "__main__":

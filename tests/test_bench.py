@@ -1,0 +1,104 @@
+"""The cost benchmarks (scripts/bench_calibration.py, scripts/bench_rows.py) run end to end on a tiny model, and
+the per-table time estimate adds up what the catalog's runs cost."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from featcal_fusionbench.reproduce.catalog import TA8, Catalog
+from featcal_fusionbench.reproduce.estimate import TEST_IMAGES, by_setting, eval_seconds, table_estimate
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_calibration  # noqa: E402
+import bench_rows  # noqa: E402
+import reproduce  # noqa: E402
+
+
+def test_two_point_separates_fixed_cost_from_the_per_step_cost():
+    result = bench_rows.two_point(lambda k: 2.0 + 0.5 * k, 3, 9, 1000)
+    assert result["fixed_seconds"] == pytest.approx(2.0)
+    assert result["seconds_per_step"] == pytest.approx(0.5)
+    assert result["seconds_at_target"] == pytest.approx(502.0)
+
+
+def test_bench_rows_times_every_component_on_a_tiny_model(tmp_path):
+    path = tmp_path / "rows.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench_rows.py"), "--settings", "tiny-2", "--n", "4",
+                    "--steps", "1,2", "--eval-batches", "1", "--device", "cpu", "--json", str(path)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    bench = json.loads(path.read_text())
+    assert bench["command"].startswith("python scripts/bench_rows.py") and bench["date"] and bench["machine"]
+    (out,) = bench["results"]
+    assert out["setting"] == "tiny-2" and out["tasks"] == 2 and out["arch"] == "tiny"
+    for key in ("eval_images_per_second", "preprocess_images_per_second_per_worker", "featcal_seconds"):
+        assert out[key] > 0
+    for method, target in (("surgery", 1000), ("probsurgery", 1000), ("adamerging", 1000), ("wudi", 400)):
+        part = out[method]
+        assert part["target_steps"] == target and all(s > 0 for s in part["seconds"])
+        assert part["seconds_at_target"] == pytest.approx(part["fixed_seconds"] + target * part["seconds_per_step"])
+
+
+def test_baseline_bench_trains_a_copy_and_leaves_the_merged_model_alone():
+    from featcal_fusionbench.baselines import SurgeryAlgorithm
+
+    config, base, merged, experts, images = bench_calibration.build("tiny", 2, 4)
+    before = copy.deepcopy(merged.state_dict())
+    options = SimpleNamespace(n=4, surgery_steps=2)
+    seconds, extra = bench_calibration.run_surgery(options, config, base, merged, experts, images,
+                                                   torch.device("cpu"), SurgeryAlgorithm)
+    assert seconds > 0 and extra["steps"] == 2
+    assert all(torch.equal(before[k], v) for k, v in merged.state_dict().items())
+
+
+def test_bench_rows_rejects_a_bad_setting_before_building_anything(capsys):
+    with pytest.raises(SystemExit):
+        sys.argv = ["bench_rows.py", "--settings", "b32-8,vit-9", "--device", "cpu"]
+        bench_rows.main()
+    assert "vit-9" in capsys.readouterr().err
+
+
+COMPONENT = {
+    "setting": "b32-8", "eval_images_per_second": 1000.0, "preprocess_images_per_second_per_worker": 500.0,
+    "featcal_seconds": 20.0,
+    "surgery": {"seconds_at_target": 300.0}, "probsurgery": {"seconds_at_target": 400.0},
+    "adamerging": {"seconds_at_target": 900.0}, "wudi": {"seconds_at_target": 60.0},
+}
+
+
+def test_eval_runs_at_the_slower_of_the_gpu_and_the_loader():
+    assert eval_seconds(COMPONENT, ["mnist"]) == pytest.approx(10000 / 1000)  # 8 workers x 500 > 1000
+    slow_loader = dict(COMPONENT, preprocess_images_per_second_per_worker=50.0)
+    assert eval_seconds(slow_loader, ["mnist"]) == pytest.approx(10000 / 400)
+
+
+def test_table_1_estimate_counts_each_upstream_once_and_every_evaluation(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    rows = catalog.rows("1")
+    result = table_estimate(rows, {"b32-8": COMPONENT}, {"b32-8": TA8}, catalog.dependencies)
+    ta8_pass = sum(TEST_IMAGES[t] for t in TA8) / 1000.0
+    # 18 full passes (pretrained, 8 experts on their own tasks, 4 mergers, 12 calibrated models: 1+1+4+12)
+    # plus AdaMerging's and WUDI's own stages, and 4 of each calibrator (one per upstream merger)
+    expected = 18 * ta8_pass + 900 + 60 + 4 * (20 + 300 + 400)
+    assert len(result["run_seconds"]) == 1 + 8 + 4 + 12
+    assert result["total_seconds"] == pytest.approx(expected)
+    assert result["missing_settings"] == []
+
+
+def test_estimate_flag_prints_each_table_and_names_unmeasured_settings(tmp_path, capsys):
+    bench = tmp_path / "rows.json"
+    bench.write_text(json.dumps({"machine": "m", "date": "d", "command": "c", "results": [COMPONENT, dict(COMPONENT, setting="l14-20")]}))
+    assert set(by_setting(json.loads(bench.read_text()))) == {"b32-8", "l14-20"}
+    assert reproduce.main(["--table", "1,2,3", "--estimate", str(bench), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "table 1: " in out and "over 25 runs" in out
+    assert "table 2: incomplete" in out and "no components for b32-14, b32-20, l14-14, l14-8" in out
+    assert "table 3: not estimated" in out
+    with pytest.raises(SystemExit):
+        reproduce.main(["--table", "1", "--estimate", str(tmp_path / "missing.json")])
