@@ -437,11 +437,11 @@ def test_runner_does_not_run_calibrators_of_a_failed_upstream(tmp_path):
 
 # -- the renderer --------------------------------------------------------------------------------------------------
 
-def write_result(catalog, run, report):
+def write_result(catalog, run, report, seconds=1.0):
     folder = catalog.run_dir(run.id)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "result.json").write_text(json.dumps({"id": run.id, "command": run.command, "report": report,
-                                                    "stamp": "s", "depends_on": {}}))
+                                                    "stamp": "s", "depends_on": {}, "seconds": seconds}))
 
 
 def clip_report(values):
@@ -513,6 +513,25 @@ def test_renderer_offline_has_an_empty_paper_column_and_table_2_pivots_settings(
     assert "8-Task L/14" in markdown(table2)
     table3 = latex(build_table(hub, "3", {}))
     assert r"Spearman’s $\rho$" in table3 and "& STS-B & Avg." in table3 and "& ours & -- &" in table3
+
+
+def test_renderer_lists_each_rows_wall_time_and_the_calibrators_own_time(tmp_path):
+    catalog = Catalog("offline", tmp_path)
+    tasks, _ = catalog.tasks("offline-clip8")
+    write_result(catalog, catalog.upstream_run("offline-clip8", "ta"), clip_report({t: 30.0 for t in tasks}), 28.0)
+    featcal = catalog.calibrator_run("offline-clip8", "ta", "featcal")
+    write_result(catalog, featcal, clip_report({t: 35.0 for t in tasks}), 46.0)
+    (catalog.run_dir(featcal.id) / "featcal_report.json").write_text(json.dumps({"seconds": 18.04}))
+    # a calibrator run whose own report is missing still shows its wall time, with the calibration cell empty
+    write_result(catalog, catalog.calibrator_run("offline-clip8", "ta", "surgery"), clip_report({t: 50.0 for t in tasks}),
+                 474.0)
+    for i, t in enumerate(tasks):
+        write_result(catalog, catalog.finetuned_run("offline-clip8", t), clip_report({t: 60.0}), 10.0 + i)
+    md = markdown(build_table(catalog, "1", collect(catalog, catalog.rows("1"))[0]))
+    times = md[md.index("| Method | run (s) | calibration (s) |"):]
+    assert "| ta | 28 |  |" in times and "| ta+featcal | 46 | 18.0 |" in times and "| ta+surgery | 474 |  |" in times
+    assert f"| finetuned | {sum(10 + i for i in range(len(tasks)))} |  |" in times  # the per-task runs, summed
+    assert "| wudi |" not in times  # no result, no time
 
 
 def test_scores_reads_text_reports_with_spearman_and_the_average():

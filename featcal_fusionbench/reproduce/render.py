@@ -3,13 +3,17 @@
 Our numbers come from the runs' FusionBench reports (``result.json`` written by the runner): percentages of each
 task's ``accuracy`` (CLIP, GLUE exact match) or ``spearman_rho`` (STS-B, regression tasks), and the report's
 ``average`` (the fine-tuned row: the mean of its per-task runs, once all are there). In the offline world the
-columns are the world's tasks and the paper column is empty: its numbers are not comparable.
+columns are the world's tasks and the paper column is empty: its numbers are not comparable. The Markdown also lists
+each row's wall time (the whole `fusion_bench` run, evaluation included, from ``result.json``) and a calibrator's own
+time (``seconds`` of the ``<calibrator>_report.json`` it wrote into its run folder), since the paper's claim is about
+both accuracy and cost.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +68,21 @@ def row_scores(row: Row, results: Dict[str, dict]) -> Tuple[Dict[str, float], st
     return values, "ok"
 
 
+def row_times(row: Row, results: Dict[str, dict], catalog: Catalog) -> Tuple[Optional[float], Optional[float]]:
+    """(wall seconds of the row's runs that have results, the calibrator's own seconds), None where unknown."""
+    done = [results[run.id] for run in row.runs if run.id in results]
+    wall = sum(float(r.get("seconds", 0.0)) for r in done) if done else None
+    calibration = None
+    run = row.runs[0] if row.runs else None
+    if run is not None and run.calibrator and run.id in results:
+        try:
+            report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
+            calibration = float(report["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            calibration = None
+    return wall, calibration
+
+
 @dataclass
 class Cell:
     paper: Optional[float] = None
@@ -90,6 +109,8 @@ class RenderRow:
     method: str
     cells: Dict[str, Cell]
     status: str
+    wall_seconds: Optional[float] = None
+    calibration_seconds: Optional[float] = None
 
 
 @dataclass
@@ -147,7 +168,8 @@ def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
                 ours, status = row_scores(row, results)
                 printed = paper["rows"].get(row.paper_key, {}) if hub and row.paper_key else {}
                 cells = {c: Cell(printed.get(c), ours.get(c)) for c, _ in columns}
-                block.rows.append(RenderRow(row.id, row.label, row.method, cells, status))
+                block.rows.append(RenderRow(row.id, row.label, row.method, cells, status,
+                                            *row_times(row, results, catalog)))
             model.blocks.append(block)
     for row in rows:
         if row.skip:
@@ -203,6 +225,14 @@ def markdown(model: TableModel) -> str:
                 name = f"{row.label}{_status_mark(row.status)}" if i == 0 else ""
                 out.append(f"| {name} | {kind} | " + " | ".join(values) + " |")
         out.append("")
+        timed = [row for row in block.rows if row.wall_seconds is not None]
+        if model.layout == "tasks" and timed:
+            out += ["Times (seconds; run = the whole `fusion_bench` run with its evaluation, calibration = the "
+                    "calibrator's own report):", "", "| Method | run (s) | calibration (s) |", "|---|---:|---:|"]
+            out += [f"| {row.id} | {row.wall_seconds:.0f} | "
+                    f"{'' if row.calibration_seconds is None else f'{row.calibration_seconds:.1f}'} |"
+                    for row in timed]
+            out.append("")
     if model.notes:
         out += ["Notes:", ""] + [f"- {n}" for n in model.notes] + [""]
     return "\n".join(out)
