@@ -121,32 +121,32 @@ def features(args) -> None:
         CLIPImageFeatureSite(pool), {"Task Arithmetic": merged, "+ Surgery": surgery, "+ FeatCal": featcal},
         experts, test_sets, device,
     )
-    provenance = {
-        "command": "python scripts/diagnostics.py " + shlex.join(args.argv),
-        "machine": machine(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "world": args.world,
+    header = {
+        **provenance(args, started),
         "calibration_examples_per_task": n,
         "surgery_steps": args.surgery_steps,
         "seconds": {"featcal": featcal_s, "surgery": surgery_s, "total": time.perf_counter() - started},
         "test_examples_per_task": {t: len(d) for t, d in test_sets.items()},
     }
-    write_json_atomic(out / "drift.json", {**provenance, "drift": drift})
-    write_json_atomic(out / "cosine.json", {**provenance, "cosine": cosine})
-    stamp = f"{provenance['command']} | {provenance['date']}"
+    write_json_atomic(out / "drift.json", {**header, "drift": drift})
+    write_json_atomic(out / "cosine.json", {**header, "cosine": cosine})
+    stamp = f"{header['command']} | {header['date']}"
     plot_drift(drift, out / "drift.png", f"Per-block feature drift to the experts (thin: tasks)\n{stamp}")
     plot_groups(cosine, out / "cosine.png", "final-feature cosine to the expert", f"Final-feature cosine per task\n{stamp}")
     for name, per_task in cosine.items():
         print(f"{name:18s} " + " ".join(f"{t}={v:.3f}" for t, v in per_task.items()))
-    print(f"wrote {out}/drift.{{json,png}} and cosine.{{json,png}} in {provenance['seconds']['total']:.0f} s")
+    print(f"wrote {out}/drift.{{json,png}} and cosine.{{json,png}} in {header['seconds']['total']:.0f} s")
 
 
 def provenance(args, started: float) -> dict:
+    from featcal_fusionbench.worlds.registry import world_fingerprint
+
     return {
         "command": "python scripts/diagnostics.py " + shlex.join(args.argv),
         "machine": machine(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "world": args.world,
+        "world_fingerprint": world_fingerprint(WORLDS[args.world]) if args.world in WORLDS else None,
         "seconds": time.perf_counter() - started,
     }
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from featcal_fusionbench.cli_runs import COUNTS, run_fusion_bench
 from featcal_fusionbench.worlds.references import reference_accuracies
-from featcal_fusionbench.worlds.registry import build_world, get_world
+from featcal_fusionbench.worlds.registry import build_world, get_world, world_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAMS = {
@@ -61,6 +61,8 @@ def markdown(results: dict) -> str:
         f"Machine: {results['machine']}; date: {results['date']}; wall time of the last invocation "
         f"{results['wall_seconds'] / 60:.1f} min, which ran {results['runs']['ran']} runs and took "
         f"{results['runs']['resumed']} from earlier (interrupted) invocations.  ",
+        f"World: `{results.get('world', '?')}`, world.json sha1 {results.get('world_fingerprint') or 'not recorded'} "
+        "(a same-seed rebuild is not bit-identical: compare numbers from one build).  ",
         f"FeatCal settings: the paper's CLIP values (`method=featcal/clip_<upstream>`: lambda 0.05, rho 2.0, alpha 0.3), "
         f"n = {results['n']} calibration examples per task from each task's train split, seed {results['seed']}.  ",
         f"Surgery and ProbSurgery: the paper's defaults (`method=<name>/clip_<upstream>`: Adam, lr 1e-3, "
@@ -182,6 +184,8 @@ def main(argv=None) -> int:
         "command": shlex.join(["python", "scripts/world_results.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
         "date": date.today().isoformat(),
+        "world": args.world,
+        "world_fingerprint": world_fingerprint(args.world),
         "n": args.n,
         "seed": args.seed,
         "baseline_steps": args.baseline_steps,

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from featcal_fusionbench.worlds import registry
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_features_diagnostic_writes_drift_and_cosine(tmp_path, monkeypatch):
     cosine = json.loads((out / "cosine.json").read_text())
     assert drift["command"].startswith("python scripts/diagnostics.py features --world toy")
     assert drift["machine"] and drift["date"]
+    assert drift["world_fingerprint"] == registry.world_fingerprint("toy")  # which build the numbers came from
     tasks = list(drift["drift"])
     for task, curves in drift["drift"].items():
         assert len(curves["upstream_l2"]) == len(curves["after_l2"]) == 3  # the toy CLIP has 3 blocks

@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import pytest
@@ -18,12 +19,14 @@ def test_world_commands_build_atomically_and_locate(tmp_path, monkeypatch, capsy
 
     monkeypatch.setitem(registry.WORLDS, "fake", registry.World("fake", "test", fake_build, "P/fake", "T/fake"))
     assert cli.main(["path", "fake"]) == 1
+    assert registry.world_fingerprint("fake") is None  # not built
     assert "featcal-world build fake" in capsys.readouterr().err
     assert cli.main(["build", "fake"]) == 0
     final = tmp_path / "fake"
     assert (final / "world.json").is_file()
     assert (final / "config" / "pool.yaml").read_text() == f"path: {final}/x\n"  # paths point at the final place
     assert not list(tmp_path.glob(".fake.partial-*"))
+    assert registry.world_fingerprint("fake") == hashlib.sha1(b"{}").hexdigest()[:12]
     cli.main(["build", "fake"])
     assert len(calls) == 1  # already built: skipped
     capsys.readouterr()

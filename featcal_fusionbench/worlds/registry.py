@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -75,6 +76,16 @@ def world_path(name: str) -> Path:
 
 def is_built(name: str) -> bool:
     return (world_path(name) / "world.json").is_file()
+
+
+def world_fingerprint(name: str) -> Optional[str]:
+    """The first 12 hex digits of the sha1 of the built world's ``world.json`` (None when it is not built).
+
+    Results carry it because a same-seed rebuild on another machine is not bit-identical: it says which build a
+    number was measured on.
+    """
+    path = world_path(name) / "world.json"
+    return hashlib.sha1(path.read_bytes()).hexdigest()[:12] if path.is_file() else None
 
 
 def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[str] = None):
