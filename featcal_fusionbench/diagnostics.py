@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
@@ -84,6 +85,11 @@ def block_drift(report: Mapping) -> Dict[str, Dict[str, list]]:
     return out
 
 
+def _wrapped(title: str, width: int) -> str:
+    """Titles carry the whole command that made the figure; wrapped, so that none of it is cut at the edges."""
+    return "\n".join(textwrap.fill(line, width) for line in title.splitlines())
+
+
 def plot_drift(drift: Mapping, path: Path, title: str) -> None:
     import matplotlib
 
@@ -104,7 +110,7 @@ def plot_drift(drift: Mapping, path: Path, title: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(_wrapped(title, 110), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -131,7 +137,7 @@ def plot_groups(values: Mapping[str, Mapping[str, float]], path: Path, ylabel: s
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_wrapped(title, 75), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -158,7 +164,7 @@ def plot_sweeps(results: Mapping, path: Path, title: str) -> None:
         ax.set_ylabel("average accuracy (%)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(_wrapped(title, 110), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

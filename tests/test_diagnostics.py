@@ -84,3 +84,13 @@ def test_sweep_diagnostic_merges_once_and_sweeps_by_multirun(tmp_path, monkeypat
     before = dict(COUNTS)
     load_script().main(args)
     assert COUNTS["ran"] == before["ran"] and COUNTS["resumed"] == before["resumed"] + 2
+
+
+def test_figure_titles_wrap_long_commands_without_losing_text():
+    from featcal_fusionbench.diagnostics import _wrapped
+
+    command = "python scripts/diagnostics.py corruption --calibrators featcal,probsurgery --out docs/x --runs outputs/y"
+    title = _wrapped(f"Calibration data corrupted\n{command} | 2026-11-24", 40)
+    assert all(len(line) <= 40 for line in title.splitlines())
+    assert title.splitlines()[0] == "Calibration data corrupted"
+    assert " ".join(title.splitlines()[1:]) == f"{command} | 2026-11-24"
