@@ -534,6 +534,16 @@ def test_renderer_lists_each_rows_wall_time_and_the_calibrators_own_time(tmp_pat
     assert "| wudi |" not in times  # no result, no time
 
 
+def test_calibrators_save_their_reports_under_the_name_the_renderer_reads():
+    from featcal_fusionbench.algorithm import REPORT_NAME
+    from featcal_fusionbench.baselines.algorithm import ProbSurgeryAlgorithm, SurgeryAlgorithm
+
+    names = {"featcal": REPORT_NAME, "surgery": SurgeryAlgorithm.report_name,
+             "probsurgery": ProbSurgeryAlgorithm.report_name}
+    assert set(names) == set(CALIBRATORS)
+    assert all(name == f"{calibrator}_report.json" for calibrator, name in names.items())
+
+
 def test_scores_reads_text_reports_with_spearman_and_the_average():
     report = {"glue-cola": {"accuracy": 0.7}, "glue-stsb": {"spearman_rho": 0.8}, "average": {"score": 0.75}}
     assert scores(report) == pytest.approx({"glue-cola": 70.0, "glue-stsb": 80.0, "average": 75.0})

@@ -72,15 +72,16 @@ def row_times(row: Row, results: Dict[str, dict], catalog: Catalog) -> Tuple[Opt
     """(wall seconds of the row's runs that have results, the calibrator's own seconds), None where unknown."""
     done = [results[run.id] for run in row.runs if run.id in results]
     wall = sum(float(r.get("seconds", 0.0)) for r in done) if done else None
-    calibration = None
     run = row.runs[0] if row.runs else None
-    if run is not None and run.calibrator and run.id in results:
-        try:
-            report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
-            calibration = float(report["seconds"])
-        except (OSError, ValueError, KeyError, TypeError):
-            calibration = None
-    return wall, calibration
+    if run is None or not run.calibrator or run.id not in results:
+        return wall, None
+    # the name every calibrator of this plugin saves its report under (FeatCal's REPORT_NAME, the baselines'
+    # report_name); tests/test_reproduce.py holds the two to each other
+    try:
+        report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
+        return wall, float(report["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return wall, None
 
 
 @dataclass
