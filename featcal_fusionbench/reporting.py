@@ -1,11 +1,15 @@
-"""Side-by-side tables from FusionBench program reports."""
+"""Side-by-side tables from FusionBench program reports, and the header and files every checked-in result carries."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shlex
 import sys
+from datetime import date
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 
 def _accuracies(section: Dict) -> Dict[str, float]:
@@ -25,6 +29,25 @@ def comparison_table(report: Dict, models: List[str] = ("upstream", "featcal")) 
         values = [100 * columns[m][task] for m in models]
         lines.append(f"| {task} | {' | '.join(f'{v:.1f}' for v in values)} | {values[-1] - values[0]:+.1f} |")
     return "\n".join(lines)
+
+
+def result_header(script: str, argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
+    """What every checked-in result names: the command that produced it (``argv`` as given, else the process's),
+    the machine and the date."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {
+        "command": shlex.join(["python", script, *args]),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
+        "date": date.today().isoformat(),
+    }
+
+
+def write_results(out: Path, results: Dict, markdown: str) -> None:
+    """``out``.json and ``out``.md side by side; the Markdown is also printed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
 
 
 def main(argv=None) -> int:

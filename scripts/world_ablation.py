@@ -27,13 +27,10 @@ import copy
 import itertools
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 from dataclasses import fields, replace
-from datetime import date
 from pathlib import Path
 
 import lightning as L
@@ -44,6 +41,7 @@ from featcal_fusionbench.architectures import adapter_class_for
 from featcal_fusionbench.data import select_calibration_data
 from featcal_fusionbench.engine import FeatCalEngine
 from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.reporting import result_header, write_results
 from featcal_fusionbench.worlds.clip_world import CLIP8, build_clip_world
 from featcal_fusionbench.worlds.registry import build_world, world_path
 from fusion_bench.utils import instantiate
@@ -305,9 +303,7 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = {
-        "command": shlex.join(["python", "scripts/world_ablation.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
-        "date": date.today().isoformat(),
+        **result_header("scripts/world_ablation.py", argv),
         "hparams": {k: getattr(hparams, k) for k in ("lambda_", "rho", "alpha", "num_calibration_examples", "seed")},
         "worlds": {},
     }
@@ -336,10 +332,7 @@ def main(argv=None) -> int:
         entry["summary"] = summarise(entry)
         results["worlds"][name] = entry
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    args.out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(args.out, results, markdown(results))
     return 0
 
 

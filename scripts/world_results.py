@@ -18,17 +18,13 @@ under --runs and skipped when their report exists with the same command: an inte
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 from featcal_fusionbench.cli_runs import COUNTS, run_fusion_bench
+from featcal_fusionbench.reporting import result_header, write_results
 from featcal_fusionbench.worlds.references import reference_accuracies
 from featcal_fusionbench.worlds.registry import build_world, get_world, world_fingerprint
 
@@ -181,9 +177,7 @@ def main(argv=None) -> int:
     refs = reference_accuracies(args.world, f"CLIPVisionModelPool/{args.subset}", f"CLIPVisionModelTaskPool/{args.subset}")
     results = {
         "subset": args.subset,
-        "command": shlex.join(["python", "scripts/world_results.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
-        "date": date.today().isoformat(),
+        **result_header("scripts/world_results.py", argv),
         "world": args.world,
         "world_fingerprint": world_fingerprint(args.world),
         "n": args.n,
@@ -244,9 +238,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if sweep_n:
         plot(results, out.with_suffix(".png"))
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(out, results, markdown(results))
     return 0
 
 

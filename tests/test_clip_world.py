@@ -127,3 +127,31 @@ def test_ablation_reports_single_and_joint_recovery_interference_and_overlap(min
     # the base row of the interference table is the same model as the references' zero-shot row
     assert world["interference"]["mnist"]["base"] == world["base"]["mnist"]
     assert "| mnist + textile | 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_interference_report_places_the_damage_and_agrees_with_the_builds_regime_figures(mini_world, tmp_path):
+    worlds, _ = mini_world
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "interference"
+    command = [
+        sys.executable, str(REPO / "scripts" / "world_interference.py"), "--root", str(worlds / "clip"),
+        "--n-train", "8", "--out", str(out),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    meta = json.loads((worlds / "clip" / "world.json").read_text())
+    figures = meta["figures"]
+    per_task = results["per_task"]
+    assert set(per_task) == {"mnist", "textile"}
+    for task, row in per_task.items():
+        # Computed here from the saved models and data in float64; the build computed them in float32 from its
+        # models in memory. A logit tie broken the other way may move one test image, no more.
+        one_image = 100 / sum(meta["counts"][task]["test"])
+        assert abs(row["base"] - 100 * figures["zero_shot"][task]) <= one_image + 1e-6
+        assert abs(row["base + others"] - 100 * figures["others_only_task_arithmetic"][task]) <= one_image + 1e-6
+    groups = [k.removeprefix("others only in ") for k in per_task["mnist"] if k.startswith("others only in ")]
+    assert groups == ["embeddings", "block 0 attention", "block 0 MLP", "block 1 attention", "block 1 MLP", "layer norms"]
+    assert list(results["relative_step_percent"]) == groups
+    assert all(v >= 0 for v in results["relative_step_percent"].values())
+    assert "sha1" in results["world"] and "| base + others |" in out.with_suffix(".md").read_text()

@@ -84,7 +84,12 @@ def world_fingerprint(name: str) -> Optional[str]:
     Results carry it because a same-seed rebuild on another machine is not bit-identical: it says which build a
     number was measured on.
     """
-    path = world_path(name) / "world.json"
+    return build_fingerprint(world_path(name))
+
+
+def build_fingerprint(root: Path) -> Optional[str]:
+    """``world_fingerprint`` of the world built at ``root`` (a registered world or a reduced variant)."""
+    path = Path(root) / "world.json"
     return hashlib.sha1(path.read_bytes()).hexdigest()[:12] if path.is_file() else None
 
 
