@@ -155,7 +155,7 @@ def test_span_corruption_is_t5_shaped():
     inputs, targets = span_corruption(ids, sentinels, 1, 0.15, 4.0, np.random.default_rng(0))
     assert inputs[-1] == targets[-1] == 1 and targets[0] == 259
     # every byte is either kept in the input or restored by the target, in order
-    merged, pos = [], 0
+    merged = []
     spans = {}
     current = None
     for t in targets[:-1]:

@@ -15,7 +15,7 @@ encoder mask. ``final_layer_norm`` of both stacks and the embeddings keep their 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Hashable, Iterable, Optional, Tuple
+from typing import Dict, Hashable, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
