@@ -168,8 +168,8 @@ def markdown(results: dict) -> str:
         "# Where the offline CLIP world's task interference lives",
         "",
         f"Command: `{results['command']}`  ",
-        f"Machine: {results['machine']}; date: {results['date']}; world: {results['world']}; Task Arithmetic coefficient "
-        f"{SCALE}; maps fitted on {results['n_train']} unlabeled train images per task.",
+        f"Machine: {results['machine']}; date: {results['date']}; world: {results['world']}; "
+        f"Task Arithmetic coefficient {SCALE}; maps fitted on {results['n_train']} unlabeled train images per task.",
         "",
         "Accuracy (%) of each task when the *other* tasks' vectors are added to the base, and what is left of the "
         "damage after an output-side correction or when the vectors touch one parameter group only.",

@@ -151,7 +151,35 @@ def test_interference_report_places_the_damage_and_agrees_with_the_builds_regime
         assert abs(row["base"] - 100 * figures["zero_shot"][task]) <= one_image + 1e-6
         assert abs(row["base + others"] - 100 * figures["others_only_task_arithmetic"][task]) <= one_image + 1e-6
     groups = [k.removeprefix("others only in ") for k in per_task["mnist"] if k.startswith("others only in ")]
-    assert groups == ["embeddings", "block 0 attention", "block 0 MLP", "block 1 attention", "block 1 MLP", "layer norms"]
+    blocks = ["block 0 attention", "block 0 MLP", "block 1 attention", "block 1 MLP"]
+    assert groups == ["embeddings", *blocks, "layer norms"]
     assert list(results["relative_step_percent"]) == groups
     assert all(v >= 0 for v in results["relative_step_percent"].values())
     assert "sha1" in results["world"] and "| base + others |" in out.with_suffix(".md").read_text()
+
+
+def test_interference_affine_fit_recovers_a_known_map_and_groups_split_a_clip_tower():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+    import world_interference as wi
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randn(64, 5, generator=generator, dtype=torch.float64)
+    weight = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    bias = torch.randn(3, generator=generator, dtype=torch.float64)
+    fitted = wi.affine_fit(source, source @ weight + bias)
+    torch.testing.assert_close(fitted, torch.cat([weight, bias[None]]))  # built independently: [W; b]
+    probe = torch.randn(7, 5, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(wi.apply_affine(probe, fitted), probe @ weight + bias)
+
+    tower = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, image_size=16, patch_size=8,
+    ))
+    keys = list(tower.state_dict())
+    groups = wi.parameter_groups(keys)
+    blocks = [f"block {i} {part}" for i in range(3) for part in ("attention", "MLP")]
+    assert list(groups) == ["embeddings", *blocks, "layer norms"]
+    assert sorted(k for k in keys if any(f(k) for f in groups.values())) == sorted(keys)
+    with pytest.raises(ValueError, match="exactly one group"):
+        wi.parameter_groups(keys + ["vision_model.extra.weight"])
