@@ -37,9 +37,13 @@ def result_header(script: str, argv: Optional[Sequence[str]] = None) -> Dict[str
     args = sys.argv[1:] if argv is None else list(argv)
     return {
         "command": shlex.join(["python", script, *args]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
+        "machine": machine_line(),
         "date": date.today().isoformat(),
     }
+
+
+def machine_line() -> str:
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs"
 
 
 def write_results(out: Path, results: Dict, markdown: str) -> None:

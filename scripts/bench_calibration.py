@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from datetime import date
 from pathlib import Path
 
 import torch
+
+from featcal_fusionbench.reporting import machine_line
 
 ARCHS = {
     # CLIPVisionConfig's defaults are ViT-B/32.
@@ -249,8 +250,7 @@ def provenance(script: str, device: str) -> dict:
     return {
         "command": "python " + " ".join([os.path.relpath(script)] + sys.argv[1:]),
         "date": date.today().isoformat(),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs"
-        + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""),
+        "machine": machine_line() + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""),
         "torch": torch.__version__,
     }
 

@@ -44,6 +44,7 @@ from featcal_fusionbench.hparams import FeatCalHParams
 from featcal_fusionbench.reporting import result_header, write_results
 from featcal_fusionbench.worlds.clip_world import CLIP8, build_clip_world
 from featcal_fusionbench.worlds.registry import build_world, world_path
+from featcal_fusionbench.worlds.task_vectors import moved, scaled_task_vector_sum
 from fusion_bench.utils import instantiate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,13 +77,10 @@ class World:
         return self.perturbed(self.task_vector_sum(tasks, scale))
 
     def task_vector_sum(self, tasks, scale: float = 0.3) -> dict:
-        states = [self.experts[t].state_dict() for t in tasks]  # once per expert, not once per parameter
-        return {k: scale * sum(s[k] - v for s in states) for k, v in self.base.state_dict().items()}
+        return scaled_task_vector_sum(self.base.state_dict(), [self.experts[t].state_dict() for t in tasks], scale)
 
     def perturbed(self, delta: dict):
-        model = copy.deepcopy(self.base)
-        model.load_state_dict({k: v + delta[k] for k, v in self.base.state_dict().items()})
-        return model
+        return moved(self.base, delta)
 
     def interference(self, seed: int) -> dict:
         """Per task: accuracy of the base, of the base plus the other tasks' vectors (x 0.3), of the base plus a

@@ -22,7 +22,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -35,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from featcal_fusionbench.reporting import result_header, write_results
+from featcal_fusionbench.worlds.clip_world import image_features
+from featcal_fusionbench.worlds.task_vectors import moved, scaled_task_vector_sum
 
 REPO = Path(__file__).resolve().parents[1]
 SCALE = 0.3  # Task Arithmetic's coefficient, as in the world's regime figures
@@ -89,30 +90,17 @@ class WorldFeatures:
                 data = load_from_disk(str(root / "data" / t / split))
                 if split == "train":  # unlabeled images to fit the maps on; labels are never read
                     data = data.shuffle(seed=seed).select(range(min(n_train, len(data))))
+                else:
+                    self.labels[t] = torch.as_tensor(data["label"])
                 images = np.stack([np.asarray(x.convert("RGB")) for x in data["image"]])
                 self.pixels[t, split] = _pixels(processor.image_processor, images)
-            self.labels[t] = torch.as_tensor(load_from_disk(str(root / "data" / t / "test"))["label"])
         self.base = CLIPVisionModel.from_pretrained(root / "pretrained").eval()
         self.base_state = self.base.state_dict()
         self.experts = {t: CLIPVisionModel.from_pretrained(root / "experts" / t).state_dict() for t in self.tasks}
 
-    def task_vectors(self, tasks, keep: Callable[[str], bool] = lambda k: True) -> dict:
-        return {
-            k: SCALE * sum(self.experts[t][k] - v for t in tasks) for k, v in self.base_state.items() if keep(k)
-        }
-
-    def perturbed(self, delta: dict):
-        model = copy.deepcopy(self.base)
-        model.load_state_dict({k: v + delta[k] if k in delta else v for k, v in self.base_state.items()})
-        return model
-
-    @torch.no_grad()
     def features(self, model, task: str, split: str) -> torch.Tensor:
-        pixels = self.pixels[task, split]
-        return torch.cat([
-            self.clip.visual_projection(model(pixel_values=pixels[i : i + 256]).pooler_output)
-            for i in range(0, len(pixels), 256)
-        ]).double()
+        """The image embeddings the zero-shot head reads, before normalisation (shifts and maps act on these)."""
+        return image_features(self.clip, model.vision_model, self.pixels[task, split], normalize=False).double()
 
     def accuracy(self, features: torch.Tensor, task: str) -> float:
         if not torch.isfinite(features).all():
@@ -138,8 +126,8 @@ def measure(world: WorldFeatures) -> dict:
     groups = parameter_groups(list(world.base_state))
     rows = {}
     for task in world.tasks:
-        others = [t for t in world.tasks if t != task]
-        perturbed = world.perturbed(world.task_vectors(others))
+        others = scaled_task_vector_sum(world.base_state, [world.experts[t] for t in world.tasks if t != task], SCALE)
+        perturbed = moved(world.base, others)
         base_train, others_train = world.features(world.base, task, "train"), world.features(perturbed, task, "train")
         others_test = world.features(perturbed, task, "test")
         row = {
@@ -153,7 +141,7 @@ def measure(world: WorldFeatures) -> dict:
             ),
         }
         for name, keep in groups.items():
-            model = world.perturbed(world.task_vectors(others, keep))
+            model = moved(world.base, {k: v for k, v in others.items() if keep(k)})
             row[f"others only in {name}"] = world.accuracy(world.features(model, task, "test"), task)
         rows[task] = row
         print(f"{task}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)

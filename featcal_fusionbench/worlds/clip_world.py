@@ -149,12 +149,14 @@ def _pixels(processor, images: np.ndarray) -> torch.Tensor:
     return torch.cat(out)
 
 
-def image_features(model, vision_model, pixels: torch.Tensor, batch: int = 256) -> torch.Tensor:
+def image_features(model, vision_model, pixels: torch.Tensor, batch: int = 256, normalize: bool = True) -> torch.Tensor:
+    """CLIP image embeddings (the projected pooled output), unit-normalised unless ``normalize`` is False."""
     with torch.no_grad():
-        return torch.cat([
-            F.normalize(model.visual_projection(vision_model(pixel_values=pixels[i : i + batch]).pooler_output), dim=-1)
+        features = torch.cat([
+            model.visual_projection(vision_model(pixel_values=pixels[i : i + batch]).pooler_output)
             for i in range(0, len(pixels), batch)
         ])
+    return F.normalize(features, dim=-1) if normalize else features
 
 
 def accuracy(model, vision_model, head, pixels, labels) -> float:
