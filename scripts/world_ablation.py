@@ -288,7 +288,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (a reduced world)")
     parser.add_argument("--tasks", default=None, help="comma-separated tasks (default: all of the world)")
-    parser.add_argument("--variant-steps", default="pretrain_steps=600", help="spec overrides shared by variants")
+    parser.add_argument(
+        "--variant-steps", default="pretrain_steps=600,caption_class_share=0.2",
+        help="spec overrides shared by variants (the default: the reduced reference of docs/offline_world/)",
+    )
     parser.add_argument("--subsets", default="singles,pairs,all")
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--seed", type=int, default=42)

@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     known = sorted(p.stem for p in (Path(list(featcal_fusionbench_config.__path__)[0]) / "modelpool" / "CLIPVisionModelPool").glob("*.yaml"))
     if args.subset not in known:
         parser.error(f"no packaged pool config {args.subset!r}; known: {', '.join(known)}")
-    runs = args.runs or REPO / "outputs" / "world_results" / args.subset
+    # absolute: each fusion_bench run starts in its own folder, where a relative path (AdaMerging's weights) breaks
+    runs = (args.runs or REPO / "outputs" / "world_results" / args.subset).resolve()
     out = args.out or REPO / "docs" / "results" / args.subset
     started = time.perf_counter()
     build_world(args.world)
