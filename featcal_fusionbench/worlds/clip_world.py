@@ -30,6 +30,7 @@ from . import sources
 from .clip_common import finetune_vision_tower, write_fusion_bench_configs, zero_shot_head
 from .clip_tokenizer import clip_tokenizer
 from .pretraining import pretrain_clip
+from .task_vectors import moved, scaled_task_vector_sum
 
 TEMPLATES = ["a photo of a {}.", "an image of a {}.", "a picture of the {}.", "a small {}.", "{}"]
 
@@ -272,9 +273,10 @@ def build_clip_world(root: Path, spec: CLIPWorldSpec = CLIP8) -> Dict[str, str]:
         expert.save_pretrained(expert_dirs[name])
 
     # Task Arithmetic (0.3) as the regime check; FeatCal is never part of choosing the world.
+    base_model = CLIPVisionModel.from_pretrained(pretrained_dir)
+
     def task_arithmetic_accuracy(name: str, members) -> float:
-        merged = CLIPVisionModel.from_pretrained(pretrained_dir)
-        merged.load_state_dict({k: v + 0.3 * sum(expert_states[m][k] - v for m in members) for k, v in base_state.items()})
+        merged = moved(base_model, scaled_task_vector_sum(base_state, [expert_states[m] for m in members], 0.3))
         return accuracy(clip_model, merged.vision_model, heads[name], pixels[name]["test"], labels[name]["test"])
 
     figures["task_arithmetic"] = {name: task_arithmetic_accuracy(name, tasks) for name in tasks}
