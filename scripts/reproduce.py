@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--estimate", type=Path, metavar="BENCH_JSON",
                         help="print each table's estimated time from scripts/bench_rows.py's JSON and exit")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="Hydra override for the calibrator runs (Surgery, ProbSurgery, FeatCal); repeatable")
+                        help="Hydra override for the calibrator runs (Surgery, ProbSurgery, FeatCal); "
+                             "CALIBRATOR:KEY=VALUE for one of them (e.g. surgery:method.precompute_features=true); "
+                             "repeatable")
     parser.add_argument("--override-all", action="append", default=[], metavar="KEY=VALUE",
                         help="Hydra override for every run; repeatable")
     return parser

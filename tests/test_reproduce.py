@@ -30,7 +30,7 @@ from featcal_fusionbench.reproduce.catalog import (
 )
 from featcal_fusionbench.reproduce.paper import PAPER
 from featcal_fusionbench.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
-from featcal_fusionbench.reproduce.runner import Runner, collect, load_result
+from featcal_fusionbench.reproduce.runner import Runner, collect, load_result, world_build
 
 REPO = Path(__file__).resolve().parents[1]
 FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
@@ -144,6 +144,14 @@ def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp
     lines = list_lines(Catalog("hub", tmp_path).rows("1"))
     assert len(lines) == 26 and sum(line.startswith("fusion_bench ") for line in lines) == 25
 
+    # CALIBRATOR:KEY=VALUE reaches that calibrator's runs only; a bare override reaches every calibrator
+    scoped = Catalog("offline", tmp_path, ["surgery:method.precompute_features=true", "seed=7"])
+    for calibrator in CALIBRATORS:
+        args = overrides_of(scoped.calibrator_run("offline-t5", "ta", calibrator))
+        assert args.get("method.precompute_features") == ("true" if calibrator == "surgery" else None)
+        assert args["seed"] == "7"
+    assert "seed" not in overrides_of(scoped.upstream_run("offline-t5", "ta"))
+
 
 def test_bad_input_fails_before_anything_runs(tmp_path):
     assert parse_tables(["I"]) == ["7", "8", "9", "10", "11"]
@@ -155,6 +163,10 @@ def test_bad_input_fails_before_anything_runs(tmp_path):
         catalog.select(["1"], ["ta", "nope"])
     with pytest.raises(CatalogError, match="KEY=VALUE"):
         Catalog("hub", tmp_path, ["method.lambda_"])
+    with pytest.raises(CatalogError, match="names one of surgery, probsurgery, featcal"):
+        Catalog("hub", tmp_path, ["tsurgery:method.lr=1"])
+    with pytest.raises(CatalogError, match="calibrator overrides only"):
+        Catalog("hub", tmp_path, all_overrides=["surgery:seed=1"])
     with pytest.raises(CatalogError, match="unknown world"):
         Catalog("mars", tmp_path)
     chosen = catalog.select(["1", "2"], ["ta+featcal", "finetuned/mnist", "l14-20/*"])
@@ -435,13 +447,37 @@ def test_runner_does_not_run_calibrators_of_a_failed_upstream(tmp_path):
     assert load_result(catalog.run_dir("b32-8/wudi")) is None
 
 
+def test_a_rebuilt_offline_world_reruns_its_runs_and_hides_the_old_builds_results(tmp_path, monkeypatch):
+    # A rebuild keeps the world's paths, so the commands are unchanged: only world.json's fingerprint tells.
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path / "worlds"))
+    (tmp_path / "worlds" / "clip").mkdir(parents=True)
+    (tmp_path / "worlds" / "clip" / "world.json").write_text('{"build": 1}')
+    calls = []
+    catalog = Catalog("offline", tmp_path / "runs")
+    rows = catalog.select(["1"], ["ta"])
+    runner = Runner(catalog, fake_executor(calls), log=lambda _: None)
+    assert runner.run(rows).count("ran") == 1
+    first = load_result(catalog.run_dir("offline-clip8/ta"))["world"]
+    assert first == world_build(catalog, runner.plan(rows)[0]) and len(first) == 12
+    assert runner.run(rows).count("resumed") == 1 and len(calls) == 1
+
+    (tmp_path / "worlds" / "clip" / "world.json").write_text('{"build": 2}')
+    results, stale = collect(catalog, rows)
+    assert results == {} and f"another build of the world (world.json sha1 {first}, now " in stale["offline-clip8/ta"]
+    assert "another build" in markdown(build_table(catalog, "1", results, stale))
+    assert runner.run(rows).count("ran") == 1 and len(calls) == 2
+    assert load_result(catalog.run_dir("offline-clip8/ta"))["world"] != first
+    assert set(collect(catalog, rows)[0]) == {"offline-clip8/ta"}
+
+
 # -- the renderer --------------------------------------------------------------------------------------------------
 
 def write_result(catalog, run, report, seconds=1.0):
     folder = catalog.run_dir(run.id)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "result.json").write_text(json.dumps({"id": run.id, "command": run.command, "report": report,
-                                                    "stamp": "s", "depends_on": {}, "seconds": seconds}))
+                                                    "stamp": "s", "depends_on": {}, "seconds": seconds,
+                                                    "world": world_build(catalog, run)}))
 
 
 def clip_report(values):

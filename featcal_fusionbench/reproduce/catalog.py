@@ -294,6 +294,15 @@ def world_unavailable(setting: Setting) -> Optional[str]:
     return None
 
 
+def split_calibrator(override: str) -> Tuple[Optional[str], str]:
+    """``surgery:method.x=1`` -> ("surgery", "method.x=1"): an override for one calibrator; no prefix -> (None, it)."""
+    key = override.split("=", 1)[0]
+    if ":" in key:
+        target, hydra = override.split(":", 1)
+        return target, hydra
+    return None, override
+
+
 class Catalog:
     """The rows of the paper's tables in one world, with their commands for one runs directory."""
 
@@ -301,8 +310,12 @@ class Catalog:
                  calibrator_overrides: Sequence[str] = (), all_overrides: Sequence[str] = ()):
         if world not in WORLDS:
             raise CatalogError(f"unknown world {world!r}; known: {', '.join(WORLDS)}")
-        for override in (*calibrator_overrides, *all_overrides):
-            if not (override.startswith("~") or ("=" in override and not override.startswith("="))):
+        for override, prefix_allowed in [(o, True) for o in calibrator_overrides] + [(o, False) for o in all_overrides]:
+            target, hydra = split_calibrator(override)
+            if target is not None and not (prefix_allowed and target in CALIBRATORS):
+                raise CatalogError(f"{override!r}: a CALIBRATOR: prefix names one of {', '.join(CALIBRATORS)} and "
+                                   "applies to calibrator overrides only")
+            if not (hydra.startswith("~") or ("=" in hydra and not hydra.startswith("="))):
                 raise CatalogError(f"an override must be KEY=VALUE or ~KEY (Hydra syntax), got {override!r}")
         self.world = world
         self.runs_dir = Path(runs_dir).expanduser().resolve()
@@ -348,7 +361,8 @@ class Catalog:
         run_id = f"{key}/{upstream}+{calibrator}"
         head = [f"method={setting.calibrator_config(calibrator, upstream)}",
                 f"method.merged_model_path={self.run_dir(f'{key}/{upstream}') / 'merged'}",
-                *setting.calibrator_overrides, *self.calibrator_overrides]
+                *setting.calibrator_overrides,
+                *(hydra for target, hydra in map(split_calibrator, self.calibrator_overrides) if target in (None, calibrator))]
         return Run(run_id, key, f"{upstream}+{calibrator}", "calibrator",
                    self._args(setting, run_id, head, [f"taskpool={setting.taskpool}"]),
                    depends=(f"{key}/{upstream}",), offline_env=setting.offline_env)

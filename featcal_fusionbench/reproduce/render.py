@@ -175,9 +175,8 @@ def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
     for row in rows:
         if row.skip:
             model.notes.append(f"{row.id}: not run ({row.skip})")
-    for run_id, command in (stale or {}).items():
-        model.notes.append(f"{run_id}: its result came from another command line, not shown (`{command}`); "
-                           "run it again or pass the same --override options")
+    for run_id, why in (stale or {}).items():
+        model.notes.append(f"{run_id}: not shown: {why}")
     if hub:
         model.notes.extend(f"paper print: {n}" for n in paper["notes"])
     return model

@@ -4,9 +4,13 @@ Every run has a folder ``<runs>/<setting>/<method>[/<task>]`` (``path.log_dir`` 
 its ``program_report.json`` and Hydra its logs there). When the command exits 0 with a report, the runner writes
 ``result.json`` atomically (a temporary file, then ``os.replace``): the command text, the report, the seconds it
 took, a stamp, and the stamps of the runs it read from. A run is skipped ("resumed") when its ``result.json`` holds
-the same command and the same upstream stamps, and the outputs later runs read (the merged model) exist; any other
-state (no result: never run or interrupted; another command; an upstream merged model that was made again) runs it
-again. A calibrator whose upstream failed is not run. The command executor is injected (tests use a fake).
+the same command, the same upstream stamps and, for an offline world, the same build of the world (its
+``world.json`` fingerprint: a rebuilt world keeps its paths, so the command alone cannot tell), and the outputs later
+runs read (the merged model) exist; any other state (no result: never run or interrupted; another command; another
+build; an upstream merged model that was made again) runs it again. A calibrator whose upstream failed is not run.
+Each command runs in its own folder, where FusionBench's joblib cache of zero-shot heads lands: that cache is keyed by
+task and model path, so a shared one would hand a rebuilt world's AdaMerging the old build's heads. The command
+executor is injected (tests use a fake).
 """
 
 from __future__ import annotations
@@ -32,16 +36,25 @@ REPORT = "program_report.json"
 Executor = Callable[[Sequence[str], Path, Path, Dict[str, str]], int]
 
 
-def subprocess_executor(cwd: Path) -> Executor:
-    """Run `fusion_bench` in ``cwd`` (FusionBench caches zero-shot heads under ``cwd/outputs/cache``)."""
+def subprocess_executor() -> Executor:
+    """Run `fusion_bench` in the run's folder (FusionBench caches zero-shot heads under ``cwd/outputs/cache``)."""
 
     def execute(args: Sequence[str], run_dir: Path, log_path: Path, env: Dict[str, str]) -> int:
-        cwd.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
-            return subprocess.run([fusion_bench_executable(), *args], cwd=cwd, env=env, stdout=log,
+            return subprocess.run([fusion_bench_executable(), *args], cwd=run_dir, env=env, stdout=log,
                                   stderr=subprocess.STDOUT).returncode
 
     return execute
+
+
+def world_build(catalog: Catalog, run: Run) -> Optional[str]:
+    """The fingerprint of the built offline world ``run`` reads; None for the hub's models (or an unbuilt world)."""
+    world = catalog.settings[run.setting].world
+    if world is None:
+        return None
+    from ..worlds.registry import world_fingerprint
+
+    return world_fingerprint(world)
 
 
 def load_result(run_dir: Path) -> Optional[dict]:
@@ -89,7 +102,7 @@ class Runner:
     def __init__(self, catalog: Catalog, executor: Optional[Executor] = None, log: Callable[[str], None] = print,
                  base_env: Optional[Dict[str, str]] = None):
         self.catalog = catalog
-        self.executor = executor or subprocess_executor(catalog.runs_dir)
+        self.executor = executor or subprocess_executor()
         self.log = log
         self.base_env = dict(os.environ if base_env is None else base_env)
 
@@ -117,6 +130,8 @@ class Runner:
         if not result or result.get("command") != run.command:
             return False
         if result.get("depends_on", {}) != {d: self.stamp(d) for d in run.depends}:
+            return False
+        if result.get("world") != world_build(self.catalog, run):
             return False
         return all((self.run_dir(run) / out).exists() for out in run.saves)
 
@@ -160,6 +175,7 @@ class Runner:
             "id": run.id,
             "command": run.command,
             "depends_on": {d: self.stamp(d) for d in run.depends},
+            "world": world_build(self.catalog, run),
             "stamp": hashlib.sha1(f"{run.command}\n{finished}\n{time.time_ns()}".encode()).hexdigest()[:16],
             "finished": finished,
             "seconds": round(seconds, 1),
@@ -182,16 +198,21 @@ class Runner:
 
 
 def collect(catalog: Catalog, rows: Sequence[Row]):
-    """(run id -> result.json of every run of ``rows`` whose result holds its current command,
-    run id -> the command of a result that another command line produced)."""
+    """(run id -> result.json of every run of ``rows`` whose result holds its current command and world build,
+    run id -> why the result of a run is not shown: another command line produced it, or another build)."""
     current, stale = {}, {}
     for row in rows:
         for run in row.runs:
             result = load_result(catalog.run_dir(run.id))
             if result is None:
                 continue
-            if result.get("command") == run.command:
-                current[run.id] = result
+            build = world_build(catalog, run)
+            if result.get("command") != run.command:
+                stale[run.id] = (f"its result came from another command line (`{result.get('command', '')}`); "
+                                 "run it again or pass the same --override options")
+            elif result.get("world") != build:
+                stale[run.id] = (f"its result was measured on another build of the world (world.json sha1 "
+                                 f"{result.get('world') or 'not recorded'}, now {build}); run it again")
             else:
-                stale[run.id] = result.get("command", "")
+                current[run.id] = result
     return current, stale
