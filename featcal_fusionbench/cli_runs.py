@@ -1,7 +1,10 @@
 """`fusion_bench` runs in their own folders, cached by their command line, for the result and diagnostic scripts.
 
 A run is skipped when its folder holds the report(s) of the very same command (``command.txt`` is written only
-after the run succeeded), so an interrupted invocation resumes and a changed command runs again.
+after the run succeeded), made on the same build of the offline world it reads (``world.txt``, the fingerprint of its
+``world.json``: a rebuilt world keeps its paths, so the command alone cannot tell), so an interrupted invocation
+resumes and a changed command or a rebuilt world runs again. A run made before fingerprints were recorded counts
+only if it finished after the current build was written.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import os
 import shlex
 import subprocess
 import sys
+import shutil
 import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 REPORT = "program_report.json"
+WORLD_FILE = "world.txt"
 COUNTS = {"ran": 0, "resumed": 0}
 
 
@@ -38,9 +43,24 @@ def _report_paths(run_dir: Path, jobs: int) -> List[Path]:
     return [run_dir / f"job_{i}" / REPORT for i in range(jobs)]
 
 
-def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline: bool = True):
+def made_on(run_dir: Path, world: Optional[Path]) -> bool:
+    """Whether the finished run in ``run_dir`` was made on the build of the world now at ``world`` (None: no world)."""
+    if world is None:
+        return True
+    from .worlds.registry import build_fingerprint
+
+    recorded = run_dir / WORLD_FILE
+    if recorded.is_file():
+        return recorded.read_text().strip() == (build_fingerprint(world) or "")
+    built = world / "world.json"
+    return built.is_file() and (run_dir / "command.txt").stat().st_mtime > built.stat().st_mtime
+
+
+def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline: bool = True,
+                     world: Optional[Path] = None):
     """Run ``fusion_bench *args`` in ``run_dir`` and return its program report. With ``jobs`` > 0 it is a Hydra
-    multirun (``-m``) of that many jobs, each logging to ``run_dir/job_<n>``; the reports come back in job order."""
+    multirun (``-m``) of that many jobs, each logging to ``run_dir/job_<n>``; the reports come back in job order.
+    ``world``: the root of the offline world the command reads, whose build a kept run must match."""
     args = list(args)
     if jobs:
         args = ["-m", *args, "path.log_dir=./job_${hydra:job.num}", "hydra.sweep.dir=./multirun"]
@@ -48,14 +68,16 @@ def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline:
         args = [*args, "path.log_dir=."]
     text = shlex.join(args)
     reports, command_path = _report_paths(run_dir, jobs), run_dir / "command.txt"
-    if command_path.is_file() and command_path.read_text() == text and all(p.is_file() for p in reports):
+    if (command_path.is_file() and command_path.read_text() == text and all(p.is_file() for p in reports)
+            and made_on(run_dir, world)):
         COUNTS["resumed"] += 1
     else:
         COUNTS["ran"] += 1
         run_dir.mkdir(parents=True, exist_ok=True)
-        command_path.unlink(missing_ok=True)
-        for path in reports:
+        for path in [command_path, run_dir / WORLD_FILE, *reports]:
             path.unlink(missing_ok=True)
+        # FusionBench's joblib cache of zero-shot heads is keyed by model path, not weights: never reuse it
+        shutil.rmtree(run_dir / "outputs" / "cache", ignore_errors=True)
         env = {**os.environ, **(OFFLINE_ENV if offline else {})}
         started = time.perf_counter()
         with open(run_dir / "run.log", "w") as log:
@@ -63,6 +85,10 @@ def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline:
         missing = [str(p) for p in reports if not p.is_file()]
         if result.returncode != 0 or missing:
             raise SystemExit(f"fusion_bench failed in {run_dir} (see run.log there): {text}")
+        if world is not None:
+            from .worlds.registry import build_fingerprint
+
+            (run_dir / WORLD_FILE).write_text(f"{build_fingerprint(world)}\n")
         command_path.write_text(text)
         print(f"  {run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
     loaded = [json.loads(p.read_text()) for p in reports]

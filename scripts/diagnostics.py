@@ -50,6 +50,15 @@ def machine() -> str:
 WORLDS = {"offline": "clip", "toy": "toy"}  # --world -> offline world (toy: seconds to build, for smoke tests)
 
 
+def built_world(args):
+    """The root of the offline world the runs read (whose build a kept run must match); None for the hub."""
+    if args.world not in WORLDS:
+        return None
+    from featcal_fusionbench.worlds.registry import world_path
+
+    return world_path(WORLDS[args.world])
+
+
 def load_pool_configs(world: str):
     if world in WORLDS:
         from featcal_fusionbench.worlds.registry import build_world, pool_configs
@@ -193,7 +202,7 @@ def corruption(args) -> None:
                 f"method.num_calibration_examples={args.n}",
                 *([f"method.max_steps={args.surgery_steps}"] if calibrator != "featcal" else []),
                 *([corruption_override(tasks, name, args.severity)] if name != "clean" else []),
-            ], offline=args.world != "hub")
+            ], offline=args.world != "hub", world=built_world(args))
             results["accuracy"].setdefault(calibrator, {})[name] = average_accuracy(report[calibrator])
             calibration = report[f"{calibrator}_calibration"]
             results["calibration_seconds"].setdefault(calibrator, {})[name] = calibration["seconds"]
@@ -228,7 +237,7 @@ def sweep(args) -> None:
         print(f"{upstream}: merge once", flush=True)
         report = run_fusion_bench(runs / f"upstream_{upstream}", [
             *pool_args(args), *SWEEP_UPSTREAMS[upstream], f"merged_model_save_path={merged}",
-        ], offline=args.world != "hub")
+        ], offline=args.world != "hub", world=built_world(args))
         results["upstream"][upstream] = average_accuracy(report)
         for factor, grid in grids.items():
             values = [float(v) for v in grid.split(",") if v]
@@ -238,7 +247,7 @@ def sweep(args) -> None:
             reports = run_fusion_bench(runs / f"{upstream}_{factor}", [
                 *pool_args(args), f"method=featcal/clip_{upstream}", f"method.merged_model_path={merged}",
                 f"method.num_calibration_examples={args.n}", f"method.{factor}={','.join(map(str, values))}",
-            ], jobs=len(values), offline=args.world != "hub")
+            ], jobs=len(values), offline=args.world != "hub", world=built_world(args))
             results["featcal"].setdefault(upstream, {})[factor] = {
                 "values": values, "accuracy": [average_accuracy(r) for r in reports],
             }

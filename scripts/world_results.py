@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     runs = (args.runs or REPO / "outputs" / "world_results" / args.subset).resolve()
     out = args.out or REPO / "docs" / "results" / args.subset
     started = time.perf_counter()
-    build_world(args.world)
+    world_root = build_world(args.world)
 
     pools = [f"modelpool=CLIPVisionModelPool/{args.subset}", f"taskpool=CLIPVisionModelTaskPool/{args.subset}"]
     print("references (pretrained zero-shot, experts)", flush=True)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
             report = run_fusion_bench(runs / name, [
                 *pools, f"method={calibrator}/clip_{upstream}", "method.return_upstream=true",
                 f"method.num_calibration_examples={args.n}", f"method.seed={args.seed}", *extra,
-            ])
+            ], world=world_root)
             upstream_accuracy = accuracies(report["upstream"])
             if "upstream" in entry and entry["upstream"] != upstream_accuracy:
                 print(f"  warning: {upstream} gave other accuracies in the {calibrator} run: {upstream_accuracy}")
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                         f"method.num_calibration_examples={n}", f"method.seed={seed}",
                         *(["method.precompute_features=true"] if precompute else []),
                         *([f"method.max_steps={args.baseline_steps}"] if calibrator != "featcal" else []),
-                    ])
+                    ], world=world_root)
                     result = calibrated(report, calibrator)
                     averages.setdefault(calibrator, {}).setdefault(str(n), []).append(result["accuracy"]["average"])
                     seconds.setdefault(calibrator, {}).setdefault(str(n), []).append(result["seconds"])

@@ -150,6 +150,7 @@ class Runner:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in (RESULT, REPORT):
             (folder / stale).unlink(missing_ok=True)
+        shutil.rmtree(folder / "outputs" / "cache", ignore_errors=True)  # zero-shot heads of an earlier build
         for out in run.saves:  # a half-written merged model must not be read by a calibrator
             path = folder / out
             if path.is_dir():
