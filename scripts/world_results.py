@@ -12,7 +12,8 @@ are learnt once (in the FeatCal run) and reused by the other calibrators. Each r
 seconds and the process's peak RSS up to the end of calibration, from the method's own report. In the n-sweep the
 baselines take `method.precompute_features=true` (their n features computed once rather than streamed through both
 models at each of the 1000 steps; the same training data, far less CPU time) unless --sweep-streamed. Runs are kept
-under --runs and skipped when their report exists with the same command: an interrupted invocation resumes.
+under --runs and skipped when their report exists with the same command on the same build of the world: an
+interrupted invocation resumes, a rebuilt world runs again.
 """
 
 from __future__ import annotations
