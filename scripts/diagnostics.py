@@ -260,7 +260,8 @@ def sweep(args) -> None:
 
 def folders(args, name: str):
     out = Path(args.out or REPO / "docs" / "diagnostics" / args.world)
-    runs = Path(args.runs or REPO / "outputs" / "diagnostics" / args.world / name)
+    # absolute: each fusion_bench run starts in its own folder, where a relative path (the saved merged model) breaks
+    runs = Path(args.runs or REPO / "outputs" / "diagnostics" / args.world / name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     return out, runs
 

@@ -183,3 +183,40 @@ def test_interference_affine_fit_recovers_a_known_map_and_groups_split_a_clip_to
     assert sorted(k for k in keys if any(f(k) for f in groups.values())) == sorted(keys)
     with pytest.raises(ValueError, match="exactly one group"):
         wi.parameter_groups(keys + ["vision_model.extra.weight"])
+
+
+def test_multitask_report_trains_one_tower_on_every_task_beside_the_builds_regime_figures(mini_world, tmp_path):
+    worlds, _ = mini_world
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "multitask"
+    command = [sys.executable, str(REPO / "scripts" / "world_multitask.py"), "--root", str(worlds / "clip"),
+               "--steps-per-task", "2", "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    world = json.loads((worlds / "clip" / "world.json").read_text())["figures"]
+    assert result["recipe"]["steps"] == 4 and result["recipe"]["lr"] == MINI.finetune_lr
+    rows = result["rows"]
+    assert rows["Individual experts (world.json)"]["mnist"] == pytest.approx(100 * world["expert"]["mnist"])
+    assert all(0.0 <= v <= 100.0 for v in rows["Multi-task learning (one tower)"].values())
+    assert "| Multi-task learning (one tower) |" in out.with_suffix(".md").read_text()
+
+
+def test_multitask_training_draws_step_s_from_task_s_mod_n():
+    import torch
+
+    from featcal_fusionbench.worlds.clip_common import train_vision_tower
+    from transformers import CLIPConfig, CLIPModel
+
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 16, "patch_size": 8}
+    text = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
+    head = torch.nn.functional.normalize(torch.randn(2, 8), dim=-1)
+    labels = torch.tensor([0, 1, 0, 1])
+    clean, poisoned = torch.randn(4, 3, 16, 16), torch.full((4, 3, 16, 16), float("nan"))
+    tasks = [(head, clean, labels), (head, poisoned, labels)]
+    for steps, finite in ((1, True), (2, False)):  # the second step is the first to read the second task
+        tower = CLIPModel(clip.config).vision_model
+        train_vision_tower(clip, tower, tasks, steps, 2, 1e-3, torch.Generator().manual_seed(0))
+        assert all(torch.isfinite(p).all() for p in tower.parameters()) == finite

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,16 @@ def finetune_vision_tower(
 ) -> None:
     """Fine-tune the vision tower against a frozen zero-shot head (FusionBench's expert protocol). ``cosine`` with
     ``weight_decay`` is the task-arithmetic experts' recipe (AdamW, warm-up then cosine decay)."""
+    train_vision_tower(clip_model, vision_model, [(head, pixels, labels)], steps, batch_size, lr, generator,
+                       weight_decay=weight_decay, cosine=cosine)
+
+
+def train_vision_tower(
+    clip_model, vision_model, tasks: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], steps: int,
+    batch_size: int, lr: float, generator, weight_decay: float = 0.0, cosine: bool = False,
+) -> None:
+    """``finetune_vision_tower`` over several (head, pixels, labels) tasks: step s draws its batch from task s mod N,
+    scored against that task's frozen head (one tower for every task: multi-task learning)."""
     optimizer = torch.optim.AdamW(vision_model.parameters(), lr=lr, weight_decay=weight_decay)
     schedule = (
         torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1, anneal_strategy="cos")
@@ -35,7 +45,8 @@ def finetune_vision_tower(
     )
     scale = clip_model.logit_scale.exp().detach()
     vision_model.train()
-    for _ in range(steps):
+    for step in range(steps):
+        head, pixels, labels = tasks[step % len(tasks)]
         idx = torch.randint(len(labels), (batch_size,), generator=generator)
         feats = clip_model.visual_projection(vision_model(pixel_values=pixels[idx]).pooler_output)
         loss = F.cross_entropy(scale * F.normalize(feats, dim=-1) @ head.T, labels[idx])
