@@ -164,7 +164,8 @@ def plot_sweeps(results: Mapping, path: Path, title: str) -> None:
         ax.set_ylabel("average accuracy (%)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(_wrapped(title, 110), fontsize=9)
+    # about 13 characters per inch at this size: a one-panel figure (one factor) needs shorter lines
+    fig.suptitle(_wrapped(title, min(110, int(13 * 4.2 * len(factors)))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
