@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-import shutil
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
