@@ -64,13 +64,13 @@ def train_multitask(meta: dict, clip, tower, tasks: dict, steps_per_task: int, s
     train_vision_tower(
         clip, tower.vision_model, [(head, px, lab) for head, px, lab, _, _ in tasks.values()],
         steps_per_task * len(tasks), spec["finetune_batch"], spec["finetune_lr"], torch.Generator().manual_seed(seed),
-        weight_decay=spec["finetune_weight_decay"], cosine=True,
+        weight_decay=spec["finetune_weight_decay"], cosine=True, progress="multi-task training",
     )
     return {t: 100 * accuracy(clip, tower.vision_model, head, px, lab) for t, (head, _, _, px, lab) in tasks.items()}
 
 
 def markdown(results: dict) -> str:
-    tasks = list(results["multitask"])
+    tasks = [t for t in results["multitask"] if t != "average"]
     lines = [
         "# One vision tower for every task: multi-task learning on the offline CLIP world",
         "",

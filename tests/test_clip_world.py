@@ -199,7 +199,10 @@ def test_multitask_report_trains_one_tower_on_every_task_beside_the_builds_regim
     rows = result["rows"]
     assert rows["Individual experts (world.json)"]["mnist"] == pytest.approx(100 * world["expert"]["mnist"])
     assert all(0.0 <= v <= 100.0 for v in rows["Multi-task learning (one tower)"].values())
-    assert "| Multi-task learning (one tower) |" in out.with_suffix(".md").read_text()
+    report = out.with_suffix(".md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| model |"))
+    assert header.split(" | ")[1:] == [*world["expert"], "average |"]
+    assert "| Multi-task learning (one tower) |" in report and "cycling through the 2 tasks" in report
 
 
 def test_multitask_training_draws_step_s_from_task_s_mod_n():

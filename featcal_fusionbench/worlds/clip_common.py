@@ -8,6 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 import yaml
+from tqdm.auto import tqdm
 
 
 def zero_shot_head(clip_model, tokenizer, classnames: List[str], templates: List[str]) -> torch.Tensor:
@@ -33,10 +34,11 @@ def finetune_vision_tower(
 
 def train_vision_tower(
     clip_model, vision_model, tasks: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], steps: int,
-    batch_size: int, lr: float, generator, weight_decay: float = 0.0, cosine: bool = False,
+    batch_size: int, lr: float, generator, weight_decay: float = 0.0, cosine: bool = False, progress: str | None = None,
 ) -> None:
     """``finetune_vision_tower`` over several (head, pixels, labels) tasks: step s draws its batch from task s mod N,
-    scored against that task's frozen head (one tower for every task: multi-task learning)."""
+    scored against that task's frozen head (one tower for every task: multi-task learning). ``progress`` names a
+    per-step progress bar (the expert build has its own bar over experts, so it passes none)."""
     optimizer = torch.optim.AdamW(vision_model.parameters(), lr=lr, weight_decay=weight_decay)
     schedule = (
         torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1, anneal_strategy="cos")
@@ -45,7 +47,7 @@ def train_vision_tower(
     )
     scale = clip_model.logit_scale.exp().detach()
     vision_model.train()
-    for step in range(steps):
+    for step in tqdm(range(steps), desc=progress, mininterval=10, disable=progress is None):
         head, pixels, labels = tasks[step % len(tasks)]
         idx = torch.randint(len(labels), (batch_size,), generator=generator)
         feats = clip_model.visual_projection(vision_model(pixel_values=pixels[idx]).pooler_output)
