@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from typing import Any, Dict, Mapping, Optional
 
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
-from .architectures import adapter_class_for
 from .data import calibration_source, select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
-from .hparams import FeatCalHParams
+from .families import check_option_names, family_for
+from .hparams import DEFAULTS, FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     given: FusionBench's FLAN-T5 GLUE pools have no train splits. Returns the
     calibrated model (same class, keys and shapes as the merged one), or with
     ``return_upstream`` a dict that FusionBench evaluates as two models:
-    ``{"upstream": ..., "featcal": ...}``.
+    ``{"upstream": ..., "featcal": ...}``. ``family_options`` go to the model's
+    family (e.g. CLIP's ``last_block_patch_token_weight``).
     """
 
     method_name = "FeatCal"
@@ -41,27 +43,30 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         self,
         upstream: Optional[Any] = None,
         merged_model_path: Optional[str] = None,
-        lambda_: float = 0.05,
-        rho: float = 2.0,
-        alpha: float = 0.3,
-        eps: float = 1e-8,
-        num_calibration_examples: int = 256,
-        batch_size: int = 16,
-        seed: int = 42,
-        calibrate_bias: bool = True,
-        calibrate_layernorm: bool = True,
-        module_regex: Optional[str] = None,
-        last_block_patch_token_weight: float = 1.0,
-        accumulation_dtype: str = "float32",
+        lambda_: float = DEFAULTS.lambda_,
+        rho: float = DEFAULTS.rho,
+        alpha: float = DEFAULTS.alpha,
+        eps: float = DEFAULTS.eps,
+        num_calibration_examples: int = DEFAULTS.num_calibration_examples,
+        batch_size: int = DEFAULTS.batch_size,
+        seed: int = DEFAULTS.seed,
+        calibrate_bias: bool = DEFAULTS.calibrate_bias,
+        calibrate_layernorm: bool = DEFAULTS.calibrate_layernorm,
+        module_regex: Optional[str] = DEFAULTS.module_regex,
+        accumulation_dtype: str = DEFAULTS.accumulation_dtype,
+        family_options: Optional[Mapping[str, Any]] = None,
         track_upstream_drift: bool = False,
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
+        last_block_patch_token_weight: Optional[float] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         # Validates every hyperparameter now, before any model or data is loaded.
         arguments = locals()
         self.featcal_hparams = FeatCalHParams(**{k: arguments[k] for k in FeatCalHParams.__dataclass_fields__})
+        self.family_options = _family_options(family_options, last_block_patch_token_weight)
+        check_option_names(self.family_options)
 
     def run(self, modelpool: BaseModelPool):
         if not isinstance(modelpool, BaseModelPool):
@@ -72,8 +77,8 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         tasks = self.check_pool(modelpool)
         with self.profile("load models"):
             base, experts = self.load_base_and_experts(modelpool, tasks)
-            adapter = adapter_class_for(base).from_hparams(hp)
-            plan_blocks(adapter, base, hp)
+            family = family_for(base, self.family_options)
+            plan_blocks(family, base, hp)
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
                 modelpool, tasks, hp.num_calibration_examples, hp.seed, calibration_datasets=self.calibration_datasets
@@ -88,7 +93,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         upstream_model = copy.deepcopy(merged) if self.return_upstream else None
 
         engine = FeatCalEngine(
-            adapter,
+            family,
             hp,
             self.fabric.device,
             reduce=self._all_reduce if world_size > 1 else None,
@@ -96,7 +101,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             log_fn=self.log_metrics if self.fabric.is_global_zero else None,
             progress=self.fabric.is_global_zero,
         )
-        batches = {t: adapter.make_input_batches(modelpool, datasets[t], hp.batch_size) for t in tasks}
+        batches = {t: family.batches(modelpool, datasets[t], hp.batch_size) for t in tasks}
         with self.profile("calibration"):
             report = engine.run(merged, base, experts, batches)
         report.update(
@@ -116,9 +121,28 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             return {"upstream": upstream_model, "featcal": merged, "featcal_calibration": _summary(report)}
         return merged
 
-
     def _all_reduce(self, tensor):
         return self.fabric.all_reduce(tensor.to(self.fabric.device), reduce_op="sum").to(tensor.device)
+
+
+def _family_options(family_options, last_block_patch_token_weight) -> Dict[str, Any]:
+    """``family_options`` as a plain dict, with the pre-registry top-level CLIP flag folded in."""
+    if family_options is not None and not isinstance(family_options, Mapping):
+        raise TypeError(f"family_options must map option names to values, got {family_options!r}")
+    options = dict(family_options or {})
+    if last_block_patch_token_weight is not None:
+        warnings.warn(
+            "method.last_block_patch_token_weight is deprecated: use method.family_options.last_block_patch_token_weight",
+            FutureWarning,
+            stacklevel=3,
+        )
+        given = options.setdefault("last_block_patch_token_weight", last_block_patch_token_weight)
+        if given != last_block_patch_token_weight:
+            raise ValueError(
+                f"last_block_patch_token_weight={last_block_patch_token_weight} contradicts "
+                f"family_options.last_block_patch_token_weight={given}; set only the latter"
+            )
+    return options
 
 
 def _summary(report: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,40 +1,24 @@
-"""Capture the inputs that chosen modules receive during one block forward."""
+"""Capture the inputs (and outputs) that a block's calibrated sites receive during one forward."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Mapping, Optional
 
-from torch import Tensor, nn
+from torch import Tensor
 
-
-def _first_tensor(args, kwargs) -> Tensor:
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, Tensor):
-            return value
-    raise RuntimeError("a calibrated module was called without a tensor input")
+from .families.sites import Site
 
 
 @contextmanager
-def capture_inputs(
-    modules: Mapping[str, nn.Module], outputs: Optional[Dict[str, Tensor]] = None
-) -> Iterator[Dict[str, Tensor]]:
-    """Yield a dict that fills with each module's input tensor while the block runs; with
-    ``outputs``, that dict fills with each module's output too."""
+def capture_inputs(sites: Mapping[str, Site], outputs: Optional[Dict[str, Tensor]] = None) -> Iterator[Dict[str, Tensor]]:
+    """Yield a dict that fills with each site's input tensor while the block runs; with ``outputs``,
+    that dict fills with each site's output too."""
     captured: Dict[str, Tensor] = {}
     handles = []
-    for name, module in modules.items():
-
-        def hook(_module, args, kwargs, _name=name):
-            captured[_name] = _first_tensor(args, kwargs)
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        if outputs is not None:
-
-            def out_hook(_module, _args, output, _name=name):
-                outputs[_name] = output
-
-            handles.append(module.register_forward_hook(out_hook))
+    for name, site in sites.items():
+        on_output = None if outputs is None else (lambda y, _name=name: outputs.__setitem__(_name, y))
+        handles += site.hooks(lambda x, _name=name: captured.__setitem__(_name, x), on_output)
     try:
         yield captured
     finally:
@@ -43,7 +27,7 @@ def capture_inputs(
 
 
 def group_shared_inputs(captured: Mapping[str, Tensor], names: List[str]) -> List[List[str]]:
-    """Group modules that received the very same tensor (e.g. q, k and v), in the given order."""
+    """Group sites that received the very same tensor (e.g. q, k and v), in the given order."""
     groups: Dict[int, List[str]] = {}
     for name in names:
         groups.setdefault(id(captured[name]), []).append(name)

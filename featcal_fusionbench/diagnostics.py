@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .baselines.sites import CLIPImageFeatureSite
+from .families import family_for
 
 
 class FixedUpstream:
@@ -33,7 +33,7 @@ class FixedUpstream:
 
 @torch.no_grad()
 def final_feature_cosine(
-    site: CLIPImageFeatureSite,
+    modelpool,
     models: Mapping[str, nn.Module],
     experts: Mapping[str, nn.Module],
     test_sets: Mapping[str, object],
@@ -42,14 +42,16 @@ def final_feature_cosine(
 ) -> Dict[str, Dict[str, float]]:
     """model name -> task -> mean per-image cosine between the model's and the task expert's final feature.
 
-    A model with ``is_surgery_model`` has the task's map applied (as FusionBench's classifier applies it)."""
-    site.to(device)
+    Features are read at the family's feature site (CLIP: the projected, normalised image embedding); a model
+    with ``is_surgery_model`` has the task's map applied (as FusionBench's classifier applies it)."""
+    family = family_for(next(iter(experts.values())))
+    site = family.feature_site(modelpool, next(iter(experts.values()))).to(device)
     result: Dict[str, Dict[str, float]] = {name: {} for name in models}
     for task, dataset in test_sets.items():
         expert = experts[task].to(device).eval()
         sums = {name: 0.0 for name in models}
         count = 0
-        for images in site.batches(dataset, batch_size, shuffle=False, seed=0):
+        for images in family.batches(modelpool, dataset, batch_size):
             images = images.to(device)
             reference = site.features(expert, images)
             for name, model in models.items():

@@ -11,7 +11,8 @@ For each block, in forward order:
   3. load all of the block's new parameters together, and only then advance the
      calibrated hidden states through the calibrated block.
 Experts and the base model stay where they are (host memory); only the block in
-use visits the device.
+use visits the device. Everything model-specific comes from the model family
+(``families``): the walk, the calibrated sites and their parameters, token weights.
 """
 
 from __future__ import annotations
@@ -29,18 +30,11 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .architectures import LAYERNORM, LINEAR, RMSNORM, ArchitectureAdapter
 from .capture import capture_inputs, group_shared_inputs
 from .drift import DriftMeter, stream_drift
 from .hparams import FeatCalHParams
-from .moments import (
-    LinearInputMoments,
-    NormInputMoments,
-    Reduce,
-    check_finite,
-    layer_norm_without_affine,
-    rms_norm_without_scale,
-)
+from .families import LINEAR, NORM_KINDS, ModelFamily
+from .moments import LinearInputMoments, NormInputMoments, Reduce, check_finite
 from .solver import (
     anchor,
     solve_bias,
@@ -99,7 +93,7 @@ class PhaseTimer:
 
 @dataclass
 class BlockPlan:
-    """Which modules of one block are calibrated: relative name -> (full name, kind)."""
+    """Which sites of one block are calibrated: relative name -> (full name, kind)."""
 
     index: int
     modules: Dict[str, tuple]
@@ -108,20 +102,20 @@ class BlockPlan:
         return [rel for rel, (_, kind) in self.modules.items() if kind in kinds]
 
 
-def plan_blocks(adapter: ArchitectureAdapter, model: nn.Module, hparams: FeatCalHParams) -> List[BlockPlan]:
-    """Select the modules to calibrate in every block; raise if none is selected."""
+def plan_blocks(family: ModelFamily, model: nn.Module, hparams: FeatCalHParams) -> List[BlockPlan]:
+    """Select the sites to calibrate in every block; raise if none is selected."""
     full_names = {id(m): n for n, m in model.named_modules()}
     pattern = re.compile(hparams.module_regex) if hparams.module_regex is not None else None
     plans = []
-    for index, block in enumerate(adapter.blocks(model)):
+    for index, block in enumerate(family.blocks(model)):
         selected = {}
-        for rel, (module, kind) in adapter.calibrated_modules(block).items():
-            if kind in (LAYERNORM, RMSNORM) and (not hparams.calibrate_layernorm or module.weight is None):
+        for rel, site in family.sites(block).items():
+            if site.kind in NORM_KINDS and (not hparams.calibrate_layernorm or site.weight is None):
                 continue
-            full = full_names[id(module)]
+            full = f"{full_names[id(block)]}.{rel}"
             if pattern is not None and not pattern.search(full):
                 continue
-            selected[rel] = (full, kind)
+            selected[rel] = (full, site.kind)
         plans.append(BlockPlan(index, selected))
     if not any(plan.modules for plan in plans):
         raise ValueError(
@@ -167,24 +161,24 @@ class _BlockSums:
     def _add(store, key, value):
         store[key] = value if key not in store else store[key] + value
 
-    def add_linear(self, gi, group, stats, expert_modules, hparams, with_bias):
+    def add_linear(self, gi, group, stats, expert_sites, hparams, with_bias):
         omega = task_weight(stats.gram, hparams.eps)
         self._add(self.gram, gi, omega * stats.gram)
         self.omega[gi] += omega
         self._add(self.mean_cal, gi, omega * stats.mean_cal)
         dtype = stats.gram.dtype
         for name in group.names:
-            expert = expert_modules[name]
+            expert = expert_sites[name]
             weight = expert.weight.to(dtype)
             bias = None if expert.bias is None else expert.bias.to(dtype)
             self._add(self.target, name, omega * stats.target(name, weight, bias, hparams.alpha))
             if with_bias and bias is not None:
                 self._add(self.bias_target, name, omega * stats.bias_target(name, weight, bias, hparams.alpha))
 
-    def add_norm(self, name, stats, expert_module):
+    def add_norm(self, name, stats, expert_site):
         dtype = stats.mean.dtype
-        gamma = expert_module.weight.to(dtype)
-        beta = expert_module.bias.to(dtype) if getattr(expert_module, "bias", None) is not None else None
+        gamma = expert_site.weight.to(dtype)
+        beta = expert_site.bias.to(dtype) if expert_site.bias is not None else None
         entry = {
             "q": stats.second_moment,
             "z": stats.mean,
@@ -196,23 +190,12 @@ class _BlockSums:
             self._add(self.norm.setdefault(name, {}), key, value)
 
 
-def _normalizer(module: nn.Module, kind: str):
-    if kind == LAYERNORM:
-        return layer_norm_without_affine(module.normalized_shape, module.eps)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    return rms_norm_without_scale(eps)
-
-
-def _norm_dim(module: nn.Module) -> int:
-    return module.weight.shape[0]
-
-
 class FeatCalEngine:
     """Runs Algorithm 1 on one calibrated model; see the module docstring."""
 
     def __init__(
         self,
-        adapter: ArchitectureAdapter,
+        family: ModelFamily,
         hparams: FeatCalHParams,
         device: torch.device,
         *,
@@ -222,7 +205,7 @@ class FeatCalEngine:
         progress: bool = True,
         profile: bool = False,
     ):
-        self.adapter = adapter
+        self.family = family
         self.hparams = hparams
         self.device = torch.device(device)
         self.reduce = reduce
@@ -235,14 +218,14 @@ class FeatCalEngine:
     # ---- streams ------------------------------------------------------------------------------
 
     def _embed(self, model, expert, batches) -> tuple:
-        adapter = self.adapter
+        family = self.family
         cal, exp = Stream(), Stream()
-        with on_device(adapter.stem_modules(expert), self.device):
+        with on_device(family.stem_modules(expert), self.device):
             for inputs in batches:
                 with self.timer("embed"):
-                    inputs = adapter.inputs_to(inputs, self.device)
+                    inputs = family.inputs_to(inputs, self.device)
                     for stream, source in ((cal, model), (exp, expert)):
-                        hidden, meta = adapter.embed(source, inputs)
+                        hidden, meta = family.embed(source, inputs)
                         stream.hidden.append(hidden)
                         stream.meta.append(meta)
         if not cal.hidden:
@@ -250,41 +233,41 @@ class FeatCalEngine:
         return cal, exp
 
     def _enter_block(self, model, index, stream: Stream) -> None:
-        with on_device(self.adapter.stem_modules(model), self.device):
+        with on_device(self.family.stem_modules(model), self.device):
             for b, (hidden, meta) in enumerate(zip(stream.hidden, stream.meta)):
-                stream.hidden[b], stream.meta[b] = self.adapter.enter_block(model, index, hidden, meta)
+                stream.hidden[b], stream.meta[b] = self.family.enter_block(model, index, hidden, meta)
 
     # ---- one block ----------------------------------------------------------------------------
 
     def _snapshot_task(self, plan, block, expert_block, streams, num_blocks, groups):
         """Stream task i's batches through the uncalibrated and the expert block; return moments."""
-        adapter = self.adapter
+        family = self.family
         linear = plan.names(LINEAR)
-        norms = plan.names(LAYERNORM, RMSNORM)
-        cal_modules = dict(block.named_modules())
-        exp_modules = dict(expert_block.named_modules())
+        norms = plan.names(*NORM_KINDS)
+        cal_sites = family.sites(block)
+        exp_sites = family.sites(expert_block)
         watched = linear + norms
         linear_moments: Dict[int, LinearInputMoments] = {}
         norm_moments: Dict[str, NormInputMoments] = {}
         before = DriftMeter()
         cal, exp, upstream = streams
         for b in range(len(cal.hidden)):
-            with self.timer("snapshot forward"), capture_inputs({n: cal_modules[n] for n in watched}) as cap_cal:
-                uncalibrated = adapter.run_block(block, cal.hidden[b], cal.meta[b])
+            with self.timer("snapshot forward"), capture_inputs({n: cal_sites[n] for n in watched}) as cap_cal:
+                uncalibrated = family.run_block(block, cal.hidden[b], cal.meta[b])
             exp_out: Dict[str, Tensor] = {}
-            with self.timer("expert forward"), capture_inputs({n: exp_modules[n] for n in linear}, exp_out) as cap_exp:
-                exp.hidden[b] = adapter.run_block(expert_block, exp.hidden[b], exp.meta[b])
+            with self.timer("expert forward"), capture_inputs({n: exp_sites[n] for n in linear}, exp_out) as cap_exp:
+                exp.hidden[b] = family.run_block(expert_block, exp.hidden[b], exp.meta[b])
             with self.timer("drift"):
-                before.update(uncalibrated, exp.hidden[b], adapter.valid_token_mask(cal.meta[b], uncalibrated))
+                before.update(uncalibrated, exp.hidden[b], family.valid_token_mask(cal.meta[b], uncalibrated))
             if upstream is not None:
                 # The block still holds its merged weights: this advances the upstream trajectory.
                 with self.timer("upstream forward"):
-                    upstream.hidden[b] = adapter.run_block(block, upstream.hidden[b], upstream.meta[b])
+                    upstream.hidden[b] = family.run_block(block, upstream.hidden[b], upstream.meta[b])
             with self.timer("moments"):
                 if groups is None:
                     groups = self._group_linears(plan, cap_cal, linear, num_blocks)
                 self._accumulate(
-                    plan, groups, cap_cal, cap_exp, exp_out, cal.hidden[b], cal.meta[b], cal_modules,
+                    plan, groups, cap_cal, cap_exp, exp_out, cal.hidden[b], cal.meta[b], cal_sites,
                     norms, num_blocks, linear_moments, norm_moments,
                 )
         return groups, linear_moments, norm_moments, before
@@ -295,29 +278,29 @@ class FeatCalEngine:
         for shared in group_shared_inputs(captured, linear):
             by_profile: Dict[Hashable, List[str]] = {}
             for name in shared:
-                by_profile.setdefault(self.adapter.weight_profile(plan.index, num_blocks, name), []).append(name)
+                by_profile.setdefault(self.family.weight_profile(plan.index, num_blocks, name), []).append(name)
             groups.extend(_LinearGroup(names, profile) for profile, names in by_profile.items())
         return groups
 
     def _accumulate(
-        self, plan, groups, cap_cal, cap_exp, exp_out, hidden, meta, cal_modules, norms, num_blocks,
+        self, plan, groups, cap_cal, cap_exp, exp_out, hidden, meta, cal_sites, norms, num_blocks,
         linear_moments, norm_moments,
     ) -> None:
         """Add one batch's captured inputs to the task's moments."""
-        adapter = self.adapter
+        family = self.family
         dtype = self.hparams.torch_accumulation_dtype
         weights_cache: Dict[Hashable, Optional[Tensor]] = {}
 
         def weights(profile):
             if profile not in weights_cache:
-                weights_cache[profile] = adapter.token_weights(profile, hidden, meta)
+                weights_cache[profile] = family.token_weights(profile, hidden, meta)
             return weights_cache[profile]
 
         for gi, group in enumerate(groups):
             first = group.names[0]
             if gi not in linear_moments:
                 dim = cap_cal[first].shape[-1]
-                out_dims = {n: cal_modules[n].out_features for n in group.names}
+                out_dims = {n: cal_sites[n].out_features for n in group.names}
                 # E[x_exp x_cal^T] costs d^2 per token; the modules' own expert outputs give
                 # W_i E[x_exp x_cal^T] for sum(m) * d: cheaper when the group narrows (e.g. fc2).
                 projected = out_dims if sum(out_dims.values()) < dim else None
@@ -328,13 +311,12 @@ class FeatCalEngine:
             else:
                 moments.update(cap_cal[first], cap_exp[first], weights(group.profile))
         for name in norms:
-            module = cal_modules[name]
+            site = cal_sites[name]
             if name not in norm_moments:
-                normalize = _normalizer(module, plan.modules[name][1])
-                norm_moments[name] = NormInputMoments(_norm_dim(module), normalize, dtype, self.device)
-            norm_moments[name].update(cap_cal[name], weights(adapter.weight_profile(plan.index, num_blocks, name)))
+                norm_moments[name] = NormInputMoments(site.dim, site.normalizer(), dtype, self.device)
+            norm_moments[name].update(cap_cal[name], weights(family.weight_profile(plan.index, num_blocks, name)))
 
-    def _fold_task(self, plan, task, groups, lin, norms, exp_modules, sums: _BlockSums) -> None:
+    def _fold_task(self, plan, task, groups, lin, norms, exp_sites, sums: _BlockSums) -> None:
         """Finalise one task's moments (reduced across ranks), check them, add them to the block's sums."""
         hp = self.hparams
         held = sum(m.nbytes() for m in itertools.chain(lin.values(), norms.values())) + sums.nbytes()
@@ -344,62 +326,59 @@ class FeatCalEngine:
             what = f"the input moments of {', '.join(plan.modules[n][0] for n in groups[gi].names)} (task {task})"
             for tensor in stats.tensors():
                 check_finite(tensor, what)
-            sums.add_linear(gi, groups[gi], stats, exp_modules, hp, hp.calibrate_bias)
+            sums.add_linear(gi, groups[gi], stats, exp_sites, hp, hp.calibrate_bias)
         for name, moments in norms.items():
             stats = moments.finalize(self.reduce)
             check_finite(stats.second_moment, f"the normalised-input moments of {plan.modules[name][0]} (task {task})")
-            sums.add_norm(name, stats, exp_modules[name])
+            sums.add_norm(name, stats, exp_sites[name])
         sums.num_tasks += 1
 
     def _solve_block(self, plan, block, base_block, sums: _BlockSums, groups) -> Dict[str, Any]:
         hp = self.hparams
-        cal_modules = dict(block.named_modules())
-        base_modules = dict(base_block.named_modules())
+        cal_sites = self.family.sites(block)
+        base_sites = self.family.sites(base_block)
         updates: List[tuple] = []
         methods: Counter = Counter()
 
-        def base_param(name, attr):
-            return getattr(base_modules[name], attr).to(self.device)
+        def anchored(name, attr):
+            return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), hp.rho)
 
         for gi, group in enumerate(groups or []):
             for name in group.names:
                 full = plan.modules[name][0]
-                module = cal_modules[name]
-                w_anchor = anchor(module.weight, base_param(name, "weight"), hp.rho)
-                result = solve_linear_weight(sums.gram[gi], sums.target[name], w_anchor, hp.lambda_, hp.eps)
+                site = cal_sites[name]
+                result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight"), hp.lambda_, hp.eps)
                 check_finite(result.solution, f"the solved weight of {full}")
                 methods[result.method] += 1
-                updates.append((module.weight, result.solution))
-                if hp.calibrate_bias and module.bias is not None and name in sums.bias_target:
+                updates.append((site, "weight", result.solution))
+                if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
                     bias = solve_bias(
                         sums.omega[gi],
                         sums.bias_target[name],
                         sums.mean_cal[gi],
                         result.solution,
-                        anchor(module.bias, base_param(name, "bias"), hp.rho),
+                        anchored(name, "bias"),
                         hp.lambda_,
                     )
                     check_finite(bias, f"the solved bias of {full}")
-                    updates.append((module.bias, bias))
+                    updates.append((site, "bias", bias))
         for name, entry in sums.norm.items():
             full, kind = plan.modules[name]
-            module = cal_modules[name]
-            gamma_anchor = anchor(module.weight, base_param(name, "weight"), hp.rho)
+            gamma_anchor = anchored(name, "weight")
             if "r_beta" in entry:
                 gamma, beta = solve_layernorm_affine(
                     entry["q"], entry["z"], entry["r_gamma"], entry["r_beta"], sums.num_tasks,
-                    gamma_anchor, anchor(module.bias, base_param(name, "bias"), hp.rho), hp.lambda_, hp.eps,
+                    gamma_anchor, anchored(name, "bias"), hp.lambda_, hp.eps,
                 )
                 check_finite(beta, f"the solved shift of {full}")
-                updates.append((module.bias, beta))
+                updates.append((cal_sites[name], "bias", beta))
             else:
                 gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
             check_finite(gamma, f"the solved scale of {full}")
-            updates.append((module.weight, gamma))
-        # Load everything together: no module of this block saw a partially updated block.
-        with torch.no_grad():
-            for param, value in updates:
-                param.copy_(value.to(dtype=param.dtype, device=param.device))
+            updates.append((cal_sites[name], "weight", gamma))
+        # Load everything together: no site of this block saw a partially updated block.
+        for site, attr, value in updates:
+            site.write(**{attr: value})
         return dict(methods)
 
     # ---- the whole model ----------------------------------------------------------------------
@@ -413,18 +392,18 @@ class FeatCalEngine:
         task_batches: Mapping[str, Iterable[Any]],
     ) -> Dict[str, Any]:
         """Calibrate ``model`` in place (it is moved to the device) and return a report."""
-        adapter, hp = self.adapter, self.hparams
+        family, hp = self.family, self.hparams
         tasks = list(experts)
         missing = [t for t in tasks if t not in task_batches]
         if missing:
             raise ValueError(f"no calibration batches for task(s) {missing}")
-        plans = plan_blocks(adapter, model, hp)
+        plans = plan_blocks(family, model, hp)
         for module in (model, base, *experts.values()):
             module.eval()
         model.to(self.device)
-        blocks = adapter.blocks(model)
-        base_blocks = adapter.blocks(base)
-        expert_blocks = {t: adapter.blocks(experts[t]) for t in tasks}
+        blocks = family.blocks(model)
+        base_blocks = family.blocks(base)
+        expert_blocks = {t: family.blocks(experts[t]) for t in tasks}
         num_blocks = len(blocks)
 
         started = time.perf_counter()
@@ -457,8 +436,7 @@ class FeatCalEngine:
                             plan, block, expert_block, streams[task], num_blocks, groups
                         )
                         with self.timer("moments"):
-                            exp_modules = dict(expert_block.named_modules())
-                            self._fold_task(plan, task, groups, lin, norms, exp_modules, sums)
+                            self._fold_task(plan, task, groups, lin, norms, family.sites(expert_block), sums)
                 with self.timer("solve"), on_device([base_blocks[index]], self.device):
                     methods = self._solve_block(plan, block, base_blocks[index], sums, groups)
             else:
@@ -468,10 +446,10 @@ class FeatCalEngine:
                     _, exp, upstream = streams[task]
                     with on_device([expert_blocks[task][index]], self.device):
                         for b in range(len(exp.hidden)):
-                            exp.hidden[b] = adapter.run_block(expert_blocks[task][index], exp.hidden[b], exp.meta[b])
+                            exp.hidden[b] = family.run_block(expert_blocks[task][index], exp.hidden[b], exp.meta[b])
                     if upstream is not None:
                         for b in range(len(upstream.hidden)):
-                            upstream.hidden[b] = adapter.run_block(block, upstream.hidden[b], upstream.meta[b])
+                            upstream.hidden[b] = family.run_block(block, upstream.hidden[b], upstream.meta[b])
             del sums
 
             drift = {}
@@ -479,9 +457,9 @@ class FeatCalEngine:
                 cal, exp, upstream = streams[task]
                 with self.timer("advance"):
                     for b in range(len(cal.hidden)):
-                        cal.hidden[b] = adapter.run_block(block, cal.hidden[b], cal.meta[b])
+                        cal.hidden[b] = family.run_block(block, cal.hidden[b], cal.meta[b])
                 with self.timer("drift"):
-                    masks = [adapter.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
+                    masks = [family.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
                     drift[task] = {"after": stream_drift(cal.hidden, exp.hidden, masks, self.reduce)}
                     if task in before_meters:
                         drift[task]["before"] = before_meters[task].result(self.reduce)
@@ -500,7 +478,8 @@ class FeatCalEngine:
             bar.set_postfix(cos_after=f"{mean_after:.4f}")
 
         return {
-            "architecture": adapter.name,
+            "family": family.name,
+            "family_options": dict(family.option_values),
             "tasks": tasks,
             "num_blocks": num_blocks,
             "seconds": time.perf_counter() - started,

@@ -1,4 +1,8 @@
-"""FeatCal's hyperparameters, checked before any model or data is touched."""
+"""FeatCal's hyperparameters, checked before any model or data is touched.
+
+Their defaults are written here once; ``FeatCalAlgorithm`` takes its defaults from ``DEFAULTS``, and
+options that belong to one model family live in the family (``method.family_options``).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ class FeatCalHParams:
     calibrate_bias: bool = True
     calibrate_layernorm: bool = True
     module_regex: Optional[str] = None
-    last_block_patch_token_weight: float = 1.0
     accumulation_dtype: str = "float32"
 
     def __post_init__(self):
@@ -52,10 +55,6 @@ class FeatCalHParams:
             problems.append(f"num_calibration_examples must be >= 1, got {self.num_calibration_examples}")
         if isinstance(self.batch_size, int) and self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, got {self.batch_size}")
-        if finite("last_block_patch_token_weight") and self.last_block_patch_token_weight < 0:
-            problems.append(
-                f"last_block_patch_token_weight must be >= 0, got {self.last_block_patch_token_weight}"
-            )
         if self.accumulation_dtype not in ACCUMULATION_DTYPES:
             problems.append(
                 f"accumulation_dtype must be one of {sorted(ACCUMULATION_DTYPES)}, got {self.accumulation_dtype!r}"
@@ -71,3 +70,6 @@ class FeatCalHParams:
     @property
     def torch_accumulation_dtype(self) -> torch.dtype:
         return ACCUMULATION_DTYPES[self.accumulation_dtype]
+
+
+DEFAULTS = FeatCalHParams()

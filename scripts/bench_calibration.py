@@ -107,13 +107,13 @@ def forward_floor(merged, experts, images, batch_size, device) -> float:
 
 
 def run_featcal(args, config, base, merged, experts, images, device):
-    from featcal_fusionbench.architectures import CLIPVisionAdapter
+    from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
     from featcal_fusionbench.engine import FeatCalEngine
     from featcal_fusionbench.hparams import FeatCalHParams
 
     hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size)
     engine = FeatCalEngine(
-        CLIPVisionAdapter(), hp, device, track_upstream=args.track_upstream_drift, progress=False,
+        CLIPVisionFamily(), hp, device, track_upstream=args.track_upstream_drift, progress=False,
         profile=args.profile,
     )
     task_batches = {t: iter(batches(images[t], args.batch_size)) for t in experts}
@@ -127,23 +127,24 @@ def run_featcal(args, config, base, merged, experts, images, device):
     }
 
 
-def tensor_site(config, device):
-    """The baselines' CLIP feature site (projected, normalised image embedding) over a tensor of images
-    instead of a dataset: seeded shuffled batches, recycled, as the calibration loader gives them."""
-    from featcal_fusionbench.baselines.sites import CLIPImageFeatureSite
+def tensor_family_and_site(config, device):
+    """The CLIP family over a tensor of images instead of a dataset (seeded shuffled batches, recycled, as
+    the calibration loader gives them), and its feature site (projected, normalised image embedding)."""
+    from featcal_fusionbench.families.clip_vision import CLIPImageFeatureSite, CLIPVisionFamily
+
+    class TensorFamily(CLIPVisionFamily):
+        def batches(self, modelpool, images, batch_size, shuffle=False, seed=0):
+            generator = torch.Generator().manual_seed(seed)
+            while True:
+                yield from batches(images[torch.randperm(len(images), generator=generator)], batch_size)
 
     class TensorSite(CLIPImageFeatureSite):
         def __init__(self, projection):
             self.projection, self.dim = projection, projection.out_features
 
-        def batches(self, images, batch_size, shuffle, seed):
-            generator = torch.Generator().manual_seed(seed)
-            while True:
-                yield from batches(images[torch.randperm(len(images), generator=generator)], batch_size)
-
     torch.manual_seed(0)
     projection = torch.nn.Linear(config.hidden_size, config.projection_dim, bias=False)
-    return TensorSite(projection.requires_grad_(False)).to(device)
+    return TensorFamily(), TensorSite(projection.requires_grad_(False)).to(device)
 
 
 def run_surgery(args, config, base, merged, experts, images, device, cls, steps=None):
@@ -153,14 +154,16 @@ def run_surgery(args, config, base, merged, experts, images, device, cls, steps=
     steps = args.surgery_steps if steps is None else steps
     algo = cls(max_steps=steps, batch_size=16, num_calibration_examples=args.n)
     algo._fabric_instance = L.Fabric(accelerator=device.type, devices=1)
-    site = tensor_site(config, device)
+    family, site = tensor_family_and_site(config, device)
     tasks = list(experts)
     wrapper = algo.build_wrapper(copy.deepcopy(merged), tasks, site.dim).to(device)
     for expert in experts.values():
         expert.requires_grad_(False).to(device)
     sync(device)
     started = time.perf_counter()
-    streams = {t: algo.feature_stream(site, wrapper.model, experts[t], images[t], i) for i, t in enumerate(tasks)}
+    streams = {
+        t: algo.feature_stream(family, site, None, wrapper.model, experts[t], images[t], i) for i, t in enumerate(tasks)
+    }
     algo.train(wrapper, streams)
     sync(device)
     seconds = time.perf_counter() - started

@@ -89,7 +89,6 @@ def features(args) -> None:
     from fusion_bench.utils import instantiate
 
     from featcal_fusionbench import FeatCalAlgorithm, SurgeryAlgorithm
-    from featcal_fusionbench.baselines.sites import CLIPImageFeatureSite
     from featcal_fusionbench.cli_runs import write_json_atomic
     from featcal_fusionbench.data import calibration_indices
     from featcal_fusionbench.diagnostics import (
@@ -127,7 +126,7 @@ def features(args) -> None:
         test_sets[task] = dataset
     device = fabric.device
     cosine = final_feature_cosine(
-        CLIPImageFeatureSite(pool), {"Task Arithmetic": merged, "+ Surgery": surgery, "+ FeatCal": featcal},
+        pool, {"Task Arithmetic": merged, "+ Surgery": surgery, "+ FeatCal": featcal},
         experts, test_sets, device,
     )
     header = {

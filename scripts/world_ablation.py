@@ -37,7 +37,7 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.architectures import adapter_class_for
+from featcal_fusionbench.families import family_for
 from featcal_fusionbench.data import select_calibration_data
 from featcal_fusionbench.engine import FeatCalEngine
 from featcal_fusionbench.hparams import FeatCalHParams
@@ -101,11 +101,11 @@ class World:
         return out
 
     def featcal(self, merged, tasks, hparams: FeatCalHParams):
-        adapter = adapter_class_for(self.base).from_hparams(hparams)
+        family = family_for(self.base)
         data = select_calibration_data(self.pool, tasks, hparams.num_calibration_examples, hparams.seed)
-        batches = {t: adapter.make_input_batches(self.pool, data[t], hparams.batch_size) for t in tasks}
+        batches = {t: family.batches(self.pool, data[t], hparams.batch_size) for t in tasks}
         model = copy.deepcopy(merged)
-        FeatCalEngine(adapter, hparams, torch.device("cpu"), progress=False).run(
+        FeatCalEngine(family, hparams, torch.device("cpu"), progress=False).run(
             model, self.base, {t: self.experts[t] for t in tasks}, batches
         )
         return model
@@ -114,7 +114,7 @@ class World:
     def input_overlap(self, n: int, seed: int) -> dict:
         """Per pair of tasks: mean over linear modules of cos_F(G_i, G_j), G = uncentred second moment of the
         module's input in the base model over n train examples (all tokens)."""
-        adapter = adapter_class_for(self.base).from_hparams(FeatCalHParams())
+        family = family_for(self.base)
         linears = {
             name: module for name, module in self.base.named_modules() if isinstance(module, torch.nn.Linear)
             and ".encoder.layers." in name
@@ -133,7 +133,7 @@ class World:
 
             handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
             try:
-                for pixels in adapter.make_input_batches(self.pool, data[task], 64):
+                for pixels in family.batches(self.pool, data[task], 64):
                     self.base(pixel_values=pixels)
             finally:
                 for h in handles:

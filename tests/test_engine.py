@@ -1,11 +1,12 @@
-"""The forward-order engine on tiny CLIP vision models built here."""
+"""The forward-order engine on tiny CLIP vision models: closed forms against an independent solve, and what is
+CLIP-specific. What every family keeps is in test_family_contract.py."""
 
 import copy
 
 import pytest
 import torch
 
-from featcal_fusionbench.architectures import CLIPVisionAdapter
+from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
 from featcal_fusionbench.engine import FeatCalEngine
 from featcal_fusionbench.hparams import FeatCalHParams
 from featcal_fusionbench.moments import NonFiniteError
@@ -21,10 +22,10 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 NORMS = ["layer_norm1", "layer_norm2"]
 
 
-def calibrate(merged, base, experts, data, adapter=None, track_upstream=False, **overrides):
+def calibrate(merged, base, experts, data, family_options=None, track_upstream=False, **overrides):
     hp = FeatCalHParams(num_calibration_examples=12, batch_size=4, **overrides)
     engine = FeatCalEngine(
-        adapter or CLIPVisionAdapter.from_hparams(hp), hp, "cpu", progress=False, track_upstream=track_upstream
+        CLIPVisionFamily(**(family_options or {})), hp, "cpu", progress=False, track_upstream=track_upstream
     )
     report = engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})
     return merged, report
@@ -73,58 +74,14 @@ def test_each_block_is_fitted_on_inputs_from_the_calibrated_prefix(index):
         torch.testing.assert_close(got.bias.double(), beta, rtol=1e-4, atol=1e-5, msg=f"{name} shift")
 
 
-def test_experts_equal_to_merged_with_alpha0_rho1_leave_the_model_unchanged():
-    base, _, merged, data = tiny_world()
-    experts = {t: copy.deepcopy(merged) for t in data}
-    original = copy.deepcopy(merged)
-    calibrated, _ = calibrate(merged, base, experts, data, alpha=0.0, rho=1.0, accumulation_dtype="float64")
-    for (name, p), q in zip(calibrated.named_parameters(), original.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_huge_lambda_returns_the_anchor_everywhere():
+def test_calibration_reduces_drift_in_every_block():
     base, experts, merged, data = tiny_world()
-    original = copy.deepcopy(merged)
-    rho = 1.5
-    calibrated, _ = calibrate(merged, base, experts, data, lambda_=1e9, rho=rho)
-    base_state, orig_state = base.state_dict(), original.state_dict()
-    for name, p in calibrated.named_parameters():
-        if ".encoder.layers." not in name:
-            torch.testing.assert_close(p, orig_state[name])  # outside the blocks nothing moves
-            continue
-        expected = rho * orig_state[name] + (1 - rho) * base_state[name]
-        torch.testing.assert_close(p, expected, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_calibration_reduces_drift_and_keeps_experts_and_base_untouched():
-    base, experts, merged, data = tiny_world()
-    before = {t: copy.deepcopy(e.state_dict()) for t, e in experts.items()}
-    base_before = copy.deepcopy(base.state_dict())
     _, report = calibrate(merged, base, experts, data)
     for block_report in report["blocks"]:
         for task, drift in block_report["drift"].items():
             # the block's own effect: uncalibrated -> calibrated on the same calibrated prefix
             assert drift["after"]["l2"] < drift["before"]["l2"], (block_report["block"], task)
             assert "upstream" not in drift
-    for t, e in experts.items():
-        for k, v in e.state_dict().items():
-            assert torch.equal(v, before[t][k]), (t, k)
-    for k, v in base.state_dict().items():
-        assert torch.equal(v, base_before[k])
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_models_calibrate_close_to_float32(dtype):
-    base, experts, merged, data = tiny_world()
-    reference, _ = calibrate(copy.deepcopy(merged), base, experts, data)
-    low = lambda m: copy.deepcopy(m).to(dtype)  # noqa: E731
-    calibrated, _ = calibrate(low(merged), low(base), {t: low(e) for t, e in experts.items()}, data)
-    tolerance = 2e-2 if dtype == torch.bfloat16 else 5e-3
-    for (name, p), q in zip(calibrated.named_parameters(), reference.parameters()):
-        assert p.dtype == dtype
-        assert torch.isfinite(p).all(), name
-        error = (p.float() - q).norm() / q.norm().clamp_min(1e-6)
-        assert error < tolerance, (name, float(error))
 
 
 def test_non_finite_expert_is_reported_with_the_module_name():
@@ -135,19 +92,10 @@ def test_non_finite_expert_is_reported_with_the_module_name():
         calibrate(merged, base, experts, data)
 
 
-def test_module_regex_calibrates_only_the_selected_modules():
-    base, experts, merged, data = tiny_world()
-    original = copy.deepcopy(merged)
-    calibrated, report = calibrate(merged, base, experts, data, module_regex=r"mlp\.fc[12]$")
-    changed = {n for (n, p), q in zip(calibrated.named_parameters(), original.parameters()) if not torch.equal(p, q)}
-    assert changed and all(".mlp.fc" in n for n in changed)
-    assert all(all(".mlp.fc" in m for m in b["modules"]) for b in report["blocks"])
-
-
 def test_last_block_patch_weight_changes_q_but_not_k_v():
     base, experts, merged, data = tiny_world()
     uniform, _ = calibrate(copy.deepcopy(merged), base, experts, data)
-    demo, _ = calibrate(copy.deepcopy(merged), base, experts, data, last_block_patch_token_weight=0.01)
+    demo, _ = calibrate(copy.deepcopy(merged), base, experts, data, family_options={"last_block_patch_token_weight": 0.01})
     last_u, last_d = block(uniform, 2).self_attn, block(demo, 2).self_attn
     torch.testing.assert_close(last_u.k_proj.weight, last_d.k_proj.weight)
     torch.testing.assert_close(last_u.v_proj.weight, last_d.v_proj.weight)
@@ -161,7 +109,7 @@ def test_statistics_memory_does_not_grow_with_the_number_of_examples():
     for batches in (1, 4):
         base, experts, merged, data = tiny_world(batches=batches)
         hp = FeatCalHParams(num_calibration_examples=4 * batches, batch_size=4)
-        engine = FeatCalEngine(CLIPVisionAdapter(), hp, "cpu", progress=False)
+        engine = FeatCalEngine(CLIPVisionFamily(), hp, "cpu", progress=False)
         sizes.append(engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})["statistics_bytes"])
     assert sizes[0] == sizes[1] > 0
 

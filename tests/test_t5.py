@@ -1,16 +1,16 @@
-"""FeatCal on tiny T5 models: the block walk, padding, forward order, and the closed forms."""
+"""FeatCal on tiny T5 models: padding, forward order (encoder first), and the closed forms. What every family
+keeps (the walk, identity, anchors, dtypes) is in test_family_contract.py."""
 
 import copy
 
 import pytest
 import torch
 
-from featcal_fusionbench.architectures import T5Adapter, adapter_class_for
-from featcal_fusionbench.architectures.t5 import trim_padding
+from featcal_fusionbench.families.t5 import T5Family, trim_padding
 from featcal_fusionbench.engine import FeatCalEngine
 from featcal_fusionbench.hparams import FeatCalHParams
 
-from helpers import independent_linear_solve, t5_batch, tiny_t5, tiny_t5_world
+from helpers import independent_linear_solve, t5_batch, tiny_t5_world
 
 ENC_LINEARS = ["layer.0.SelfAttention." + m for m in "qkvo"] + ["layer.1.DenseReluDense." + m for m in ("wi_0", "wi_1", "wo")]
 DEC_LINEARS = (
@@ -21,44 +21,11 @@ DEC_LINEARS = (
 CROSS_KV = {"layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v"}
 
 
-def walk(model, batch):
-    """Run the adapter's block walk; return the input of every block and the final decoder state."""
-    adapter = T5Adapter()
-    hidden, meta = adapter.embed(model, batch)
-    inputs = []
-    for index, block in enumerate(adapter.blocks(model)):
-        hidden, meta = adapter.enter_block(model, index, hidden, meta)
-        inputs.append(hidden)
-        hidden = adapter.run_block(block, hidden, meta)
-    return inputs, model.decoder.final_layer_norm(hidden)
-
-
 def calibrate(merged, base, experts, data, **overrides):
     hp = FeatCalHParams(**{"num_calibration_examples": 6, "batch_size": 3, **overrides})
-    engine = FeatCalEngine(T5Adapter(), hp, "cpu", progress=False)
+    engine = FeatCalEngine(T5Family(), hp, "cpu", progress=False)
     report = engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})
     return merged, report
-
-
-def test_the_adapter_is_chosen_for_t5_and_walks_encoder_then_decoder():
-    model = tiny_t5()
-    assert adapter_class_for(model) is T5Adapter
-    blocks = T5Adapter().blocks(model)
-    assert blocks == list(model.encoder.block) + list(model.decoder.block)
-
-
-def test_the_block_walk_reproduces_the_model_forward_with_padding():
-    model = tiny_t5()
-    batch = t5_batch([7, 3, 5], [4, 1, 3], pad_to=9, target_pad_to=6)
-    with torch.no_grad():
-        out = model(**batch, output_hidden_states=True)
-        inputs, final = walk(model, batch)
-    layers = model.config.num_layers
-    for i in range(layers):
-        torch.testing.assert_close(inputs[i], out.encoder_hidden_states[i], msg=f"encoder block {i} input")
-    for j in range(model.config.num_decoder_layers):
-        torch.testing.assert_close(inputs[layers + j], out.decoder_hidden_states[j], msg=f"decoder block {j} input")
-    torch.testing.assert_close(final, out.decoder_hidden_states[-1])
 
 
 def test_trim_padding_drops_only_columns_that_are_padding_everywhere():
@@ -174,26 +141,3 @@ def test_norms_stay_merged_when_norm_calibration_is_off():
     assert not any("layer_norm" in m for b in report["blocks"] for m in b["modules"])
     drift = report["blocks"][-1]["drift"]
     assert all(d["after"]["l2"] < d["before"]["l2"] for d in drift.values())
-
-
-def test_shared_modules_return_to_where_they_were():
-    """T5's encoder and decoder share one embedding: moving the stem for a block must put it back once."""
-    from featcal_fusionbench.engine import on_device
-
-    model = tiny_t5()
-    modules = T5Adapter().stem_modules(model)
-    assert modules[0] is modules[1]  # the shared embedding, listed for both stacks
-    moved = []
-    original_to = torch.nn.Module.to
-
-    def spy(self, *args, **kwargs):
-        moved.append((id(self), args[0] if args else kwargs.get("device")))
-        return original_to(self, *args, **kwargs)
-
-    torch.nn.Module.to = spy
-    try:
-        with on_device(modules, torch.device("cpu")):
-            pass
-    finally:
-        torch.nn.Module.to = original_to
-    assert [d for i, d in moved if i == id(model.shared)] == [torch.device("cpu"), torch.device("cpu")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from featcal_fusionbench.baselines.modules import SurgeryModelWrapper
-from featcal_fusionbench.baselines.sites import LMHeadSurgery
+from featcal_fusionbench.baselines.modules import LMHeadSurgery
 from featcal_fusionbench.text_taskpool import active_task
 
 from helpers import tiny_t5
@@ -34,7 +34,7 @@ def test_featcal_for_flan_t5_runs_offline_and_reports_the_average(tiny_t5_pool, 
         scores = [report[model][t]["accuracy"] for t in tiny_t5_pool["tasks"]]
         assert report[model]["average"]["score"] == pytest.approx(sum(scores) / len(scores))
     calibration = json.loads((tmp_path / "featcal_report.json").read_text())
-    assert calibration["architecture"] == "t5"
+    assert calibration["family"] == "t5"
     stacks = [b["modules"][0].split(".")[0] for b in calibration["blocks"]]
     assert stacks == ["encoder", "encoder", "decoder", "decoder"]
     assert calibration["hparams"]["calibrate_layernorm"] is False

@@ -1,7 +1,8 @@
 """Surgery and ProbSurgery after any upstream merger, on FeatCal's calibration budget.
 
-Both train small per-task maps on the merged model's projected, normalised image
-feature so that it matches the expert's (L1), one Adam step per task per iteration,
+Both train small per-task maps on the merged model's feature at its family's feature site
+(CLIP: the projected, normalised image feature) so that it matches the expert's (L1), one
+Adam step per task per iteration,
 as the original methods and FusionBench's Surgery do. Their calibration stream is
 capped at ``num_calibration_examples`` per task (the paper's matched-budget protocol),
 drawn from the train split (FeatCal's protocol) or the unlabeled test split (their
@@ -22,11 +23,10 @@ from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..architectures.base import to_device
 from ..data import SPLITS, calibration_source, select_calibration_data
+from ..families import family_for, to_device
 from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
-from .sites import feature_site
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
 
     # ---- the shared loop -------------------------------------------------------------------------
 
-    def feature_stream(self, site, merged, expert, dataset, task_index: int) -> Iterator[tuple]:
+    def feature_stream(self, family, site, modelpool, merged, expert, dataset, task_index: int) -> Iterator[tuple]:
         """(merged feature, expert feature) batches: streamed through both models every step (the
         originals' way; seeded shuffled batches of the capped calibration set, recycled), or with
         ``precompute_features`` computed once in one ordered pass and resampled (rows: images, or
@@ -93,7 +93,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             with torch.no_grad():
                 return site.features(merged, inputs), site.features(expert, inputs)
 
-        batches = site.batches(dataset, self.batch_size, shuffle=not self.precompute_features, seed=seed)
+        batches = family.batches(modelpool, dataset, self.batch_size, shuffle=not self.precompute_features, seed=seed)
         if not self.precompute_features:
             return (pair(x) for x in batches)
         pairs = [pair(x) for x in batches]
@@ -147,7 +147,8 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         tasks = self.check_pool(modelpool, self.calibration_split)
         with self.profile("load models"):
             base, experts = self.load_base_and_experts(modelpool, tasks)
-            site = feature_site(modelpool, base)
+            family = family_for(base)
+            site = family.feature_site(modelpool, base)
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
                 modelpool, tasks, self.num_calibration_examples, self.seed, self.calibration_split,
@@ -169,7 +170,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         started = time.perf_counter()
         with self.profile("calibration"):
             streams = {
-                task: self.feature_stream(site, wrapper.model, experts[task], datasets[task], i)
+                task: self.feature_stream(family, site, modelpool, wrapper.model, experts[task], datasets[task], i)
                 for i, task in enumerate(tasks)
             }
             history = self.train(wrapper, streams, deployed)

@@ -1,20 +1,21 @@
-"""Per-task feature maps on the merged model's projected image feature.
+"""Per-task feature maps on a merged model's features, and how they are deployed.
 
 Both wrappers follow FusionBench's surgery protocol: ``is_surgery_model = True`` and
 ``compute_surgery_features(features, dataset_name)``, so FusionBench's CLIP task pool
 applies them inside its classifier. Surgery is FusionBench's own ``SurgeryModelWrapper``.
+``LMHeadSurgery`` deploys them on a language model's ``lm_head`` input instead.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from fusion_bench.models.surgery.surgerymodelwrapper import SurgeryModelWrapper, regularize_name
 from torch import Tensor, nn
 
-__all__ = ["ProbSurgeryModelWrapper", "SurgeryModelWrapper", "kl_to_standard_normal"]
+__all__ = ["LMHeadSurgery", "ProbSurgeryModelWrapper", "SurgeryModelWrapper", "kl_to_standard_normal"]
 
 
 class _ProbHead(nn.Module):
@@ -70,6 +71,42 @@ class ProbSurgeryModelWrapper(nn.Module):
 
     def collect_trainable_params(self):
         return list(self.heads.parameters())
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class LMHeadSurgery(nn.Module):
+    """A language model whose ``lm_head`` input passes through the active task's map.
+
+    ``active_task`` is set by the task pool (``featcal_fusionbench.text_taskpool.active_task``); with no
+    active task the merged model runs unchanged.
+    """
+
+    is_surgery_model = True
+
+    def __init__(self, maps: nn.Module):
+        super().__init__()
+        self.maps = maps  # Surgery or ProbSurgery wrapper around the merged model
+        self.active_task: Optional[str] = None
+        self.model.lm_head.register_forward_pre_hook(self._map_features)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.maps.model
+
+    def _map_features(self, _module, args):
+        if self.active_task is None:
+            return None
+        (hidden,) = args
+        mapped = self.maps.compute_surgery_features(hidden, self.active_task)[0]
+        return (mapped.to(hidden.dtype),)
+
+    def collect_trainable_params(self):
+        return self.maps.collect_trainable_params()
+
+    def generate(self, *args, **kwargs):
+        return self.model.generate(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)

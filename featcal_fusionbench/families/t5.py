@@ -10,20 +10,27 @@ The walk reproduces ``T5Stack.forward`` one block at a time:
 Padding never enters a moment: encoder-side tokens are weighted by the input attention mask, decoder-side
 tokens by ``labels != -100``, and the cross-attention k/v (whose inputs are encoder tokens) by the
 encoder mask. ``final_layer_norm`` of both stacks and the embeddings keep their merged values.
+
+Surgery's and ProbSurgery's maps act on the decoder's final hidden state entering ``lm_head``, per target
+token under teacher forcing: the representation the output head reads, as CLIP's image feature is (an
+encoder-side map would reach the output only through cross-attention). At generation the map applies to
+every decoded position (``LMHeadSurgery``), with the task chosen by the task pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Hashable, Iterable, Optional, Tuple
+from typing import Dict, Hashable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 from transformers import T5ForConditionalGeneration, default_data_collator
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-from .base import LINEAR, RMSNORM, ArchitectureAdapter
+from ..baselines.modules import LMHeadSurgery
+from . import register_family
+from .base import FeatureSite, ModelFamily, batch_loader
+from .sites import LinearSite, RMSNormSite
 
 COLUMNS = ("input_ids", "attention_mask", "labels")
 IGNORE_INDEX = -100  # label padding in FusionBench's FLAN-T5 data (and HF's convention)
@@ -59,7 +66,31 @@ def _relative_bias(stack: nn.Module, query_length: int, key_length: int) -> Tens
     return attention.compute_bias(query_length, key_length)
 
 
-class T5Adapter(ArchitectureAdapter):
+class T5DecoderFeatureSite(FeatureSite):
+    """The decoder's final hidden state at every target token (teacher forcing on the labels)."""
+
+    def __init__(self, model: T5ForConditionalGeneration):
+        self.dim = model.config.d_model
+
+    def features(self, model: nn.Module, batch: dict) -> Tensor:
+        captured = []
+        handle = model.lm_head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        try:
+            # Teacher forcing without the loss: the decoder reads the shifted labels, as the expert did in training.
+            model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                decoder_input_ids=model._shift_right(batch["labels"]),
+            )
+        finally:
+            handle.remove()
+        return captured[-1][batch["labels"] != IGNORE_INDEX]
+
+    def deploy(self, wrapper: nn.Module) -> nn.Module:
+        return LMHeadSurgery(wrapper)
+
+
+@register_family
+class T5Family(ModelFamily):
     """Encoder blocks then decoder blocks of a ``T5ForConditionalGeneration``; linears and, when enabled,
     the scale-only ``T5LayerNorm`` (RMSNorm) of every block."""
 
@@ -69,12 +100,14 @@ class T5Adapter(ArchitectureAdapter):
     def supports(cls, model: nn.Module) -> bool:
         return isinstance(model, T5ForConditionalGeneration)
 
-    def module_kind(self, module: nn.Module) -> Optional[str]:
-        if isinstance(module, nn.Linear):
-            return LINEAR
-        if isinstance(module, T5LayerNorm):
-            return RMSNORM
-        return None
+    def sites(self, block):
+        found = {}
+        for name, module in block.named_modules():
+            if isinstance(module, nn.Linear):
+                found[name] = LinearSite(module)
+            elif isinstance(module, T5LayerNorm):
+                found[name] = RMSNormSite(module)
+        return found
 
     def blocks(self, model):
         return list(model.encoder.block) + list(model.decoder.block)
@@ -129,12 +162,12 @@ class T5Adapter(ArchitectureAdapter):
     def valid_token_mask(self, meta: T5StreamState, hidden: Tensor) -> Optional[Tensor]:
         return meta.token_mask
 
-    def make_input_batches(self, modelpool, dataset, batch_size: int) -> Iterable[Dict[str, Tensor]]:
-        loader = DataLoader(
-            teacher_forcing_columns(dataset), batch_size=batch_size, shuffle=False, collate_fn=default_data_collator
-        )
-        for batch in loader:
-            yield trim_padding(batch)
+    def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Dict[str, Tensor]]:
+        loader = batch_loader(teacher_forcing_columns(dataset), batch_size, shuffle, seed, default_data_collator)
+        return (trim_padding(batch) for batch in loader)
+
+    def feature_site(self, modelpool, model):
+        return T5DecoderFeatureSite(model)
 
 
 def teacher_forcing_columns(dataset):

@@ -1,0 +1,124 @@
+"""HF ``CLIPVisionModel`` (and its bare ``CLIPVisionTransformer``).
+
+Embeddings and ``pre_layrnorm`` enter the first block; ``post_layernorm`` keeps its merged values.
+Surgery's and ProbSurgery's maps act on the projected, L2-normalised image feature, where
+FusionBench's CLIP classifier applies ``compute_surgery_features`` before the zero-shot head.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Hashable, Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from transformers import CLIPVisionModel
+from transformers.models.clip.modeling_clip import CLIPVisionTransformer
+
+from . import register_family
+from .base import UNIFORM, FeatureSite, ModelFamily, batch_loader
+from .sites import LayerNormSite, LinearSite
+
+CLS_WEIGHTED = "cls-weighted"
+# k and v of patch tokens still feed the CLS token's attention in the last block,
+# so they keep uniform weights even when the other modules down-weight patches.
+_KV_MODULES = ("self_attn.k_proj", "self_attn.v_proj")
+
+
+class CLIPImageFeatureSite(FeatureSite):
+    """The projected, normalised image embedding (FusionBench's CLIP protocol)."""
+
+    def __init__(self, modelpool):
+        if not hasattr(modelpool, "load_clip_model"):
+            raise TypeError(
+                f"Surgery and ProbSurgery on a CLIP vision model need a CLIPVisionModelPool (for the visual "
+                f"projection); got a {type(modelpool).__name__}"
+            )
+        clip = modelpool.load_clip_model("_pretrained_")
+        self.projection = copy.deepcopy(clip.visual_projection).requires_grad_(False)
+        self.dim = self.projection.out_features
+
+    def to(self, device) -> "CLIPImageFeatureSite":
+        self.projection.to(device)
+        return self
+
+    def features(self, model: nn.Module, images: Tensor) -> Tensor:
+        embeds = self.projection(model(images)[1])
+        return embeds / embeds.norm(p=2, dim=-1, keepdim=True)
+
+
+@register_family
+class CLIPVisionFamily(ModelFamily):
+    """Options:
+        last_block_patch_token_weight: weight of patch tokens in the last block's statistics for every
+            site but k/v (the CLS token keeps weight 1). 1.0 is the paper's uniform weighting; the
+            authors' demo uses 0.01, because only the CLS output of the last block reaches the pooled
+            feature.
+    """
+
+    name = "clip_vision"
+    options = {"last_block_patch_token_weight": 1.0}
+
+    def check_option(self, name, value):
+        return self.non_negative_number(name, value)
+
+    @property
+    def last_block_patch_token_weight(self) -> float:
+        return float(self.option_values["last_block_patch_token_weight"])
+
+    @classmethod
+    def supports(cls, model: nn.Module) -> bool:
+        return isinstance(model, (CLIPVisionModel, CLIPVisionTransformer))
+
+    @staticmethod
+    def _tower(model: nn.Module) -> CLIPVisionTransformer:
+        return model.vision_model if isinstance(model, CLIPVisionModel) else model
+
+    def blocks(self, model):
+        return list(self._tower(model).encoder.layers)
+
+    def stem_modules(self, model):
+        tower = self._tower(model)
+        return [tower.embeddings, tower.pre_layrnorm]
+
+    def embed(self, model, inputs) -> Tuple[Tensor, Any]:
+        tower = self._tower(model)
+        dtype = tower.embeddings.patch_embedding.weight.dtype
+        return tower.pre_layrnorm(tower.embeddings(inputs.to(dtype))), None
+
+    def run_block(self, block, hidden, meta):
+        return block(hidden, None, None)[0]
+
+    def sites(self, block):
+        found = {}
+        for name, module in block.named_modules():
+            if isinstance(module, nn.Linear):
+                found[name] = LinearSite(module)
+            elif isinstance(module, nn.LayerNorm):
+                found[name] = LayerNormSite(module)
+        return found
+
+    def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
+        if (
+            block_index == num_blocks - 1
+            and self.last_block_patch_token_weight != 1.0
+            and site_name not in _KV_MODULES
+        ):
+            return CLS_WEIGHTED
+        return UNIFORM
+
+    def token_weights(self, profile, hidden, meta) -> Optional[Tensor]:
+        if profile == UNIFORM:
+            return None
+        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, device=hidden.device)
+        weights[:, 0] = 1.0
+        return weights
+
+    def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Tensor]:
+        from fusion_bench.dataset.image_dataset import ImageClassificationDataset
+
+        images = batch_loader(ImageClassificationDataset(dataset, modelpool.load_processor()), batch_size, shuffle, seed)
+        return (pixel_values for pixel_values, _labels in images)
+
+    def feature_site(self, modelpool, model):
+        return CLIPImageFeatureSite(modelpool)
