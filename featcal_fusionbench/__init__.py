@@ -3,9 +3,6 @@
 from .algorithm import FeatCalAlgorithm
 from .baselines import ProbSurgeryAlgorithm, SurgeryAlgorithm
 from .hparams import FeatCalHParams
-from .worlds.resolvers import register_resolvers
-
-register_resolvers()
 
 __version__ = "0.1.0"
 

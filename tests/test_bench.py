@@ -1,4 +1,4 @@
-"""The cost benchmarks (scripts/bench_calibration.py, scripts/bench_rows.py) run end to end on a tiny model, and
+"""The cost benchmarks (experiments/scripts/bench_calibration.py, experiments/scripts/bench_rows.py) run end to end on a tiny model, and
 the per-table time estimate adds up what the catalog's runs cost."""
 
 import copy
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from featcal_fusionbench.reproduce.catalog import TA8, Catalog
-from featcal_fusionbench.reproduce.estimate import TEST_IMAGES, by_setting, eval_seconds, table_estimate
+from featcal_experiments.reproduce.catalog import TA8, Catalog
+from featcal_experiments.reproduce.estimate import TEST_IMAGES, by_setting, eval_seconds, table_estimate
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "experiments" / "scripts"))
 import bench_calibration  # noqa: E402
 import bench_rows  # noqa: E402
 import reproduce  # noqa: E402
@@ -30,11 +30,11 @@ def test_two_point_separates_fixed_cost_from_the_per_step_cost():
 
 def test_bench_rows_times_every_component_on_a_tiny_model(tmp_path):
     path = tmp_path / "rows.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench_rows.py"), "--settings", "tiny-2", "--n", "4",
+    subprocess.run([sys.executable, str(REPO / "experiments" / "scripts" / "bench_rows.py"), "--settings", "tiny-2", "--n", "4",
                     "--steps", "1,2", "--eval-batches", "1", "--device", "cpu", "--json", str(path)],
                    check=True, capture_output=True, text=True, timeout=600)
     bench = json.loads(path.read_text())
-    assert bench["command"].startswith("python scripts/bench_rows.py") and bench["date"] and bench["machine"]
+    assert bench["command"].startswith("python experiments/scripts/bench_rows.py") and bench["date"] and bench["machine"]
     (out,) = bench["results"]
     assert out["setting"] == "tiny-2" and out["tasks"] == 2 and out["arch"] == "tiny"
     for key in ("eval_images_per_second", "preprocess_images_per_second_per_worker", "featcal_seconds"):

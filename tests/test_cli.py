@@ -88,9 +88,10 @@ def test_there_are_featcal_surgery_and_probsurgery_configs_for_every_upstream():
 def test_every_featcal_config_composes_with_the_paper_settings(fusion_bench_config_dir, name):
     target, method = compose_method(name)
     assert target == "featcal_fusionbench.FeatCalAlgorithm"
-    paper = {"lambda_": 0.05, "rho": 2.0, "alpha": 0.3, "last_block_patch_token_weight": 1.0}
-    demo = {"lambda_": 0.05, "rho": 2.2, "alpha": 0.25, "last_block_patch_token_weight": 0.01}
-    flan_t5 = {"lambda_": 1e-5, "rho": 2.0, "alpha": 0.6, "calibrate_bias": True, "calibrate_layernorm": False}
+    paper = {"lambda_": 0.05, "rho": 2.0, "alpha": 0.3, "family_options": {}}  # last-block patch weight 1.0
+    demo = {"lambda_": 0.05, "rho": 2.2, "alpha": 0.25, "family_options": {"last_block_patch_token_weight": 0.01}}
+    flan_t5 = {"lambda_": 1e-5, "rho": 2.0, "alpha": 0.6, "calibrate_bias": True, "calibrate_layernorm": False,
+               "family_options": {}}
     expected = demo if name.endswith("_demo") else paper if family(name) == "clip" else flan_t5
     assert {k: method[k] for k in expected} == expected
 

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from featcal_fusionbench import cli_runs
+from featcal_experiments import cli_runs
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_a_run_is_kept_for_its_command_and_world_build_and_made_again_on_a_rebui
     cli_runs.run_fusion_bench(run_dir, ["method=dummy"], world=world)
     # ran again, and without the earlier build's zero-shot-head cache
     assert fake_fusion_bench.read_text().split() == ["run", "run"]
-    from featcal_fusionbench.worlds.registry import build_fingerprint
+    from featcal_experiments.worlds.registry import build_fingerprint
 
     assert (run_dir / "world.txt").read_text().strip() == build_fingerprint(world)
     cli_runs.run_fusion_bench(run_dir, ["method=dummy", "seed=1"], world=world)  # another command

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.worlds.clip_world import CLIP8, CLIPWorldSpec, TaskSpec, build_clip_world
-from featcal_fusionbench.worlds.registry import ENV_DIR
+from featcal_experiments.worlds.clip_world import CLIP8, CLIPWorldSpec, TaskSpec, build_clip_world
+from featcal_experiments.worlds.registry import ENV_DIR
 from fusion_bench.utils import instantiate
 
 from helpers import compose_pools
@@ -71,13 +71,13 @@ def test_a_missing_world_fails_with_the_build_command(tmp_path, monkeypatch):
 @pytest.mark.parametrize("subset,size", [("offline_clip8", 8), ("offline_clip4", 4), ("offline_clip2", 2)])
 def test_packaged_subsets_name_tasks_of_the_world(subset, size):
     for kind in ("modelpool/CLIPVisionModelPool", "taskpool/CLIPVisionModelTaskPool"):
-        config = yaml.safe_load((REPO / "config" / kind / f"{subset}.yaml").read_text())
+        config = yaml.safe_load((REPO / "experiments" / "config" / kind / f"{subset}.yaml").read_text())
         tasks = list(config["test_datasets"])
         assert len(tasks) == size and set(tasks) <= set(CLIP8.task_names)
         if kind.startswith("modelpool"):
             assert list(config["models"]) == ["_pretrained_", *tasks] and list(config["train_datasets"]) == tasks
     assert [t.name for t in CLIP8.tasks] == list(yaml.safe_load(
-        (REPO / "config/modelpool/CLIPVisionModelPool/offline_clip8.yaml").read_text())["test_datasets"])
+        (REPO / "experiments/config/modelpool/CLIPVisionModelPool/offline_clip8.yaml").read_text())["test_datasets"])
 
 
 def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mini_world, tmp_path):
@@ -85,7 +85,7 @@ def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mi
     env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "results" / "mini"
     command = [
-        sys.executable, str(REPO / "scripts" / "world_results.py"), "--subset", "offline_clip2", "--upstreams", "ta",
+        sys.executable, str(REPO / "experiments" / "scripts" / "world_results.py"), "--subset", "offline_clip2", "--upstreams", "ta",
         "--n", "8", "--sweep-n", "4", "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(out),
         "--calibrators", "featcal,surgery", "--sweep-calibrators", "featcal,probsurgery", "--baseline-steps", "5",
     ]
@@ -115,7 +115,7 @@ def test_ablation_reports_single_and_joint_recovery_interference_and_overlap(min
     worlds, _ = mini_world
     env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "ablation"
-    command = [sys.executable, str(REPO / "scripts" / "world_ablation.py"), "--n", "8", "--out", str(out)]
+    command = [sys.executable, str(REPO / "experiments" / "scripts" / "world_ablation.py"), "--n", "8", "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     world = json.loads(out.with_suffix(".json").read_text())["worlds"]["clip"]
@@ -134,7 +134,7 @@ def test_interference_report_places_the_damage_and_agrees_with_the_builds_regime
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "interference"
     command = [
-        sys.executable, str(REPO / "scripts" / "world_interference.py"), "--root", str(worlds / "clip"),
+        sys.executable, str(REPO / "experiments" / "scripts" / "world_interference.py"), "--root", str(worlds / "clip"),
         "--n-train", "8", "--out", str(out),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -159,7 +159,7 @@ def test_interference_report_places_the_damage_and_agrees_with_the_builds_regime
 
 
 def test_interference_affine_fit_recovers_a_known_map_and_groups_split_a_clip_tower():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "experiments" / "scripts"))
     import torch
     import world_interference as wi
     from transformers import CLIPVisionConfig, CLIPVisionModel
@@ -189,7 +189,7 @@ def test_multitask_report_trains_one_tower_on_every_task_beside_the_builds_regim
     worlds, _ = mini_world
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "multitask"
-    command = [sys.executable, str(REPO / "scripts" / "world_multitask.py"), "--root", str(worlds / "clip"),
+    command = [sys.executable, str(REPO / "experiments" / "scripts" / "world_multitask.py"), "--root", str(worlds / "clip"),
                "--steps-per-task", "2", "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -208,7 +208,7 @@ def test_multitask_report_trains_one_tower_on_every_task_beside_the_builds_regim
 def test_multitask_training_draws_step_s_from_task_s_mod_n():
     import torch
 
-    from featcal_fusionbench.worlds.clip_common import train_vision_tower
+    from featcal_experiments.worlds.clip_common import train_vision_tower
     from transformers import CLIPConfig, CLIPModel
 
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,

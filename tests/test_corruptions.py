@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from featcal_fusionbench.corruptions import (
+from featcal_experiments.corruptions import (
     CorruptedImageDataset,
     corrupt,
     fog,

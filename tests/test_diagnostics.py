@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from featcal_fusionbench.worlds import registry
+from featcal_experiments.worlds import registry
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("diagnostics_script", REPO / "scripts" / "diagnostics.py")
+    spec = importlib.util.spec_from_file_location("diagnostics_script", REPO / "experiments" / "scripts" / "diagnostics.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -27,7 +27,7 @@ def test_features_diagnostic_writes_drift_and_cosine(tmp_path, monkeypatch):
     ])
     drift = json.loads((out / "drift.json").read_text())
     cosine = json.loads((out / "cosine.json").read_text())
-    assert drift["command"].startswith("python scripts/diagnostics.py features --world toy")
+    assert drift["command"].startswith("python experiments/scripts/diagnostics.py features --world toy")
     assert drift["machine"] and drift["date"]
     assert drift["world_fingerprint"] == registry.world_fingerprint("toy")  # which build the numbers came from
     tasks = list(drift["drift"])
@@ -79,7 +79,7 @@ def test_sweep_diagnostic_merges_once_and_sweeps_by_multirun(tmp_path, monkeypat
     assert all(r["upstream"] == f"path:{runs / 'merged_ta'}" for r in reports)
     assert (out / "sweep.png").stat().st_size > 0
     # a second invocation resumes every run from its report
-    from featcal_fusionbench.cli_runs import COUNTS
+    from featcal_experiments.cli_runs import COUNTS
 
     before = dict(COUNTS)
     load_script().main(args)
@@ -87,9 +87,9 @@ def test_sweep_diagnostic_merges_once_and_sweeps_by_multirun(tmp_path, monkeypat
 
 
 def test_figure_titles_wrap_long_commands_without_losing_text():
-    from featcal_fusionbench.diagnostics import _wrapped
+    from featcal_experiments.diagnostics import _wrapped
 
-    command = "python scripts/diagnostics.py corruption --calibrators featcal,probsurgery --out docs/x --runs outputs/y"
+    command = "python experiments/scripts/diagnostics.py corruption --calibrators featcal,probsurgery --out docs/x --runs outputs/y"
     title = _wrapped(f"Calibration data corrupted\n{command} | 2026-11-24", 40)
     assert all(len(line) <= 40 for line in title.splitlines())
     assert title.splitlines()[0] == "Calibration data corrupted"

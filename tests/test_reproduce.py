@@ -1,4 +1,4 @@
-"""The paper's tables as commands (scripts/reproduce.py): every listed command composes offline with no download,
+"""The paper's tables as commands (experiments/scripts/reproduce.py): every listed command composes offline with no download,
 the runner resumes and reuses upstream merged models, the renderer writes paper / ours / diff."""
 
 import copy
@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.reproduce.catalog import (
+from featcal_experiments.reproduce.catalog import (
     CALIBRATORS,
     HUB_SETTINGS,
     SEQ2SEQ_SAVING_POOL,
@@ -28,9 +28,9 @@ from featcal_fusionbench.reproduce.catalog import (
     parse_tables,
     world_unavailable,
 )
-from featcal_fusionbench.reproduce.paper import PAPER
-from featcal_fusionbench.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
-from featcal_fusionbench.reproduce.runner import Runner, collect, load_result, world_build
+from featcal_experiments.reproduce.paper import PAPER
+from featcal_experiments.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
+from featcal_experiments.reproduce.runner import Runner, collect, load_result, world_build
 
 REPO = Path(__file__).resolve().parents[1]
 FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
@@ -39,7 +39,7 @@ PAPER_MD = Path("/work/shared/paper/featcal-paper.md")
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -116,7 +116,7 @@ def test_an_unbuilt_offline_world_is_named_with_its_build_command(tmp_path, monk
 
 
 def test_one_task_text_pools_keep_only_that_tasks_regression_entry(tmp_path):
-    from featcal_fusionbench.worlds.text_sources import REGRESSION_TASKS
+    from featcal_experiments.worlds.text_sources import REGRESSION_TASKS
 
     assert OFFLINE_SETTINGS["offline-t5"].regression_tasks == tuple(REGRESSION_TASKS)
     glue = yaml.safe_load((REPO / "config/taskpool/flan-t5_glue_text_generation_average.yaml").read_text())
@@ -303,7 +303,7 @@ def check_composed(cfg, run, catalog, upstream_saves):
 def test_every_listed_command_composes_with_the_hub_unreachable(composer, tmp_path, world):
     from fusion_bench.modelpool import Seq2SeqLMPool
 
-    from featcal_fusionbench.reproduce.pools import Seq2SeqLMPoolSavingPretrained
+    from featcal_experiments.reproduce.pools import Seq2SeqLMPoolSavingPretrained
 
     assert issubclass(Seq2SeqLMPoolSavingPretrained, Seq2SeqLMPool)
     assert SEQ2SEQ_SAVING_POOL == f"{Seq2SeqLMPoolSavingPretrained.__module__}.Seq2SeqLMPoolSavingPretrained"
@@ -359,7 +359,7 @@ def test_the_seq2seq_pool_saves_what_merged_model_path_loads(tmp_path):
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from featcal_fusionbench.reproduce.pools import Seq2SeqLMPoolSavingPretrained
+    from featcal_experiments.reproduce.pools import Seq2SeqLMPoolSavingPretrained
 
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1,

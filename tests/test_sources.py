@@ -1,9 +1,9 @@
-"""The packaged real-data sources of the offline worlds (installed by scripts/install_world_data.sh)."""
+"""The packaged real-data sources of the offline worlds (installed by experiments/scripts/install_world_data.sh)."""
 
 import numpy as np
 import pytest
 
-from featcal_fusionbench.worlds import sources
+from featcal_experiments.worlds import sources
 
 
 @pytest.mark.parametrize(

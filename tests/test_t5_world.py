@@ -9,13 +9,13 @@ import yaml
 from datasets import load_from_disk
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.worlds import text_sources
-from featcal_fusionbench.worlds.cli import main as world_cli
-from featcal_fusionbench.worlds.registry import ENV_DIR, WORLDS
-from featcal_fusionbench.worlds.t5_world import (
+from featcal_experiments.worlds import text_sources
+from featcal_experiments.worlds.cli import main as world_cli
+from featcal_experiments.worlds.registry import ENV_DIR, WORLDS
+from featcal_experiments.worlds.t5_world import (
     T5_WORLD, T5WorldSpec, build_t5_world, expert_matrix_table, regime_table, score, span_corruption,
 )
-from featcal_fusionbench.worlds.text_sources import TaskSizes
+from featcal_experiments.worlds.text_sources import TaskSizes
 from fusion_bench.utils import instantiate
 
 from helpers import compose_pools
@@ -122,8 +122,8 @@ def test_cli_knows_the_world(tmp_path, monkeypatch, capsys):
 
 
 def test_packaged_configs_name_the_world_tasks():
-    modelpool = yaml.safe_load((REPO / "config/modelpool/Seq2SeqLMPool/offline_t5.yaml").read_text())
-    taskpool = yaml.safe_load((REPO / "config/taskpool/offline_t5_text_generation.yaml").read_text())
+    modelpool = yaml.safe_load((REPO / "experiments/config/modelpool/Seq2SeqLMPool/offline_t5.yaml").read_text())
+    taskpool = yaml.safe_load((REPO / "experiments/config/taskpool/offline_t5_text_generation.yaml").read_text())
     assert list(modelpool["models"]) == ["_pretrained_", *T5_WORLD.tasks]
     assert list(modelpool["train_datasets"]) == list(modelpool["test_datasets"]) == T5_WORLD.tasks
     assert list(taskpool["test_datasets"]) == T5_WORLD.tasks and taskpool["max_length"] == T5_WORLD.max_length

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from featcal_fusionbench import reporting
-from featcal_fusionbench.worlds import cli, registry
+from featcal_experiments.worlds import cli, registry
 
 
 def test_world_commands_build_atomically_and_locate(tmp_path, monkeypatch, capsys):

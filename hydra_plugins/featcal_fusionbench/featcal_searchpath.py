@@ -6,15 +6,10 @@ the search path, after FusionBench's own so theirs win any name clash. When the
 FusionBench CLI picked a `./config` folder of the current directory as its primary
 config path (as it does from this repository's root), FusionBench's configs are not
 on the path at all; they are appended too, so `fabric_model_fusion` still resolves.
-It also registers the resolvers that the offline worlds' packaged pool configs use.
 """
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
-
-from featcal_fusionbench.worlds.resolvers import register_resolvers
-
-register_resolvers()
 
 FEATCAL_CONFIGS = "pkg://featcal_fusionbench_config"
 FUSION_BENCH_CONFIGS = "pkg://fusion_bench_config"

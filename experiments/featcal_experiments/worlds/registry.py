@@ -1,0 +1,135 @@
+"""Named offline worlds, where they are cached, and building them atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from .clip_world import CLIP8, build_clip_world
+from .t5_world import T5_WORLD, build_t5_world
+from .toy_clip import ToyCLIPSpec, build_toy_clip_world
+
+ENV_DIR = "FEATCAL_WORLDS_DIR"
+
+
+@dataclass(frozen=True)
+class World:
+    name: str
+    description: str
+    build: Callable[[Path], dict]
+    modelpool: str
+    taskpool: str
+    packaged: bool = False  # pools shipped with this package; otherwise inside the world's own config/ folder
+
+
+TOY_SPEC = ToyCLIPSpec(
+    num_tasks=4, num_classes=8, noise=0.6, train_per_class=32, test_per_class=16,
+    finetune_steps=60, hidden_size=48, num_layers=3,
+)
+
+WORLDS: Dict[str, World] = {
+    "toy": World(
+        name="toy",
+        description="synthetic 4-task toy CLIP (seconds to build; a smoke world, not the paper's regime)",
+        build=lambda root: build_toy_clip_world(root, TOY_SPEC),
+        modelpool="CLIPVisionModelPool/toy",
+        taskpool="CLIPVisionModelTaskPool/toy",
+    ),
+    "clip": World(
+        name="clip",
+        description="8 real packaged image tasks, contrastively pretrained tiny CLIP, small-step experts",
+        build=lambda root: build_clip_world(root, CLIP8),
+        modelpool="CLIPVisionModelPool/offline_clip8",
+        taskpool="CLIPVisionModelTaskPool/offline_clip8",
+        packaged=True,
+    ),
+    "t5": World(
+        name="t5",
+        description="5 real packaged text tasks (fortunes, word list), byte-level tiny FLAN-T5, fully fine-tuned experts",
+        build=lambda root: build_t5_world(root, T5_WORLD),
+        modelpool="Seq2SeqLMPool/offline_t5",
+        taskpool="offline_t5_text_generation",
+        packaged=True,
+    ),
+}
+
+
+def worlds_dir() -> Path:
+    default = Path.home() / ".cache" / "featcal-fusionbench" / "worlds"
+    return Path(os.environ.get(ENV_DIR, default)).expanduser().resolve()
+
+
+def get_world(name: str) -> World:
+    if name not in WORLDS:
+        raise KeyError(f"unknown world {name!r}; known worlds: {', '.join(WORLDS)}")
+    return WORLDS[name]
+
+
+def world_path(name: str) -> Path:
+    get_world(name)
+    return worlds_dir() / name
+
+
+def is_built(name: str) -> bool:
+    return (world_path(name) / "world.json").is_file()
+
+
+def world_fingerprint(name: str) -> Optional[str]:
+    """The first 12 hex digits of the sha1 of the built world's ``world.json`` (None when it is not built).
+
+    Results carry it because a same-seed rebuild on another machine is not bit-identical: it says which build a
+    number was measured on.
+    """
+    return build_fingerprint(world_path(name))
+
+
+def build_fingerprint(root: Path) -> Optional[str]:
+    """``world_fingerprint`` of the world built at ``root`` (a registered world or a reduced variant)."""
+    path = Path(root) / "world.json"
+    return hashlib.sha1(path.read_bytes()).hexdigest()[:12] if path.is_file() else None
+
+
+def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[str] = None):
+    """The (modelpool, taskpool) configs of a world, unresolved, as the CLI would compose them."""
+    from omegaconf import OmegaConf
+
+    from .resolvers import register_resolvers
+
+    register_resolvers()
+    world = get_world(name)
+    if world.packaged:
+        import featcal_experiments_config
+
+        config = Path(list(featcal_experiments_config.__path__)[0])
+    else:
+        config = world_path(name) / "config"
+    return tuple(
+        OmegaConf.load(config / kind / f"{choice}.yaml")
+        for kind, choice in (("modelpool", modelpool or world.modelpool), ("taskpool", taskpool or world.taskpool))
+    )
+
+
+def build_world(name: str, force: bool = False) -> Path:
+    """Build into a scratch folder and rename it into place, so no half-built world is ever visible."""
+    world = get_world(name)
+    final = world_path(name)
+    if is_built(name) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    scratch = final.parent / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        # Paths inside the world's YAMLs must point at the final location.
+        world.build(scratch)
+        for yaml_file in (scratch / "config").rglob("*.yaml"):
+            yaml_file.write_text(yaml_file.read_text().replace(str(scratch.resolve()), str(final)))
+        if final.exists():
+            shutil.rmtree(final)
+        scratch.rename(final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final

@@ -1,0 +1,161 @@
+"""The method configs compose offline, each upstream merger is written once (config/method/upstream/) and
+reused by FeatCal, Surgery and ProbSurgery, and each default is written once in YAML (the bases)."""
+
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+METHOD_DIR = REPO / "config" / "method"
+METHOD_CONFIGS = sorted(str(p.relative_to(METHOD_DIR).with_suffix("")) for p in METHOD_DIR.rglob("*.yaml"))
+UPSTREAMS = sorted(n.split("/", 1)[1] for n in METHOD_CONFIGS if n.startswith("upstream/"))
+ABSTRACT = {"feature_surgery"}  # shared keys of surgery and probsurgery, `_target_: ???`
+CALIBRATORS = [n for n in METHOD_CONFIGS if not n.startswith("upstream/") and n not in ABSTRACT]
+BASES = {"featcal": "featcal", "surgery": "surgery", "probsurgery": "probsurgery"}  # family -> its base config
+UPSTREAM_OF_SETTING = {"ta": "task_arithmetic", "simple_average": "simple_average", "adamerging": "adamerging_clip",
+                       "wudi": "wudi", "ta_demo": "task_arithmetic"}
+TA_ONLY_KEYS = {"scaling_factor"}
+
+
+@pytest.fixture(scope="module")
+def method():
+    """name (and extra overrides) -> the composed `method` node, as the fusion_bench CLI composes it, unresolved."""
+    import fusion_bench_config
+
+    GlobalHydra.instance().clear()
+    cache = {}
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+
+        def composed(name, *overrides):
+            key = (name, overrides)
+            if key not in cache:
+                cfg = compose("fabric_model_fusion", overrides=[f"method={name}", *overrides])
+                cache[key] = OmegaConf.to_container(cfg.method, resolve=False)
+            return cache[key]
+
+        yield composed
+    GlobalHydra.instance().clear()
+
+
+def upstream_setting(name):
+    """featcal/clip_wudi -> wudi; featcal/flan_t5_ta -> task_arithmetic; the bases -> task_arithmetic."""
+    if "/" not in name:
+        return "task_arithmetic"
+    setting = name.split("/", 1)[1]
+    setting = setting.split("_", 1)[1] if setting.startswith("clip_") else "ta"  # flan_t5*_ta
+    return UPSTREAM_OF_SETTING[setting]
+
+
+def constructor_parameters(target):
+    """Every named argument of the class's own constructors (its and its featcal_fusionbench bases')."""
+    import featcal_fusionbench
+
+    cls = getattr(featcal_fusionbench, target.rsplit(".", 1)[1])
+    params = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("featcal_fusionbench") and "__init__" in vars(klass):
+            for p in inspect.signature(klass.__init__).parameters.values():
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self":
+                    params[p.name] = p.default
+    return params
+
+
+def test_the_configs_are_the_expected_ones():
+    assert UPSTREAMS == ["adamerging_clip", "simple_average", "task_arithmetic", "wudi"]
+    for family in ("featcal", "surgery", "probsurgery"):
+        assert family in METHOD_CONFIGS
+        for setting in ("clip_ta", "clip_simple_average", "clip_adamerging", "clip_wudi", "flan_t5_ta"):
+            assert f"{family}/{setting}" in METHOD_CONFIGS
+    assert {"featcal/clip_ta_demo", "featcal/flan_t5_large_ta"} <= set(METHOD_CONFIGS)
+
+
+@pytest.mark.parametrize("name", CALIBRATORS)
+def test_every_method_config_composes_with_its_own_upstream_replaced_not_merged(method, name):
+    cfg = method(name)
+    target = cfg["_target_"]
+    assert target.startswith("featcal_fusionbench.") and target.endswith("Algorithm")
+    upstream = cfg["upstream"]
+    assert upstream["_target_"].startswith("fusion_bench.method.")
+    # exactly the upstream config of its setting: no key of the base's Task Arithmetic left behind
+    assert upstream == method(f"upstream/{upstream_setting(name)}")
+    if upstream_setting(name) != "task_arithmetic":
+        assert not TA_ONLY_KEYS & set(upstream)
+    # every key is a constructor argument
+    unknown = set(cfg) - {"_target_"} - set(constructor_parameters(target))
+    assert not unknown, f"{name}: not constructor arguments: {sorted(unknown)}"
+    assert "last_block_patch_token_weight" not in cfg  # moved into family_options
+
+
+@pytest.mark.parametrize("name", UPSTREAMS)
+def test_every_upstream_is_a_fusion_bench_method_of_its_own(method, name):
+    cfg = method(f"upstream/{name}")
+    assert cfg["_target_"].startswith("fusion_bench.method.")
+    assert (name == "task_arithmetic") == bool(TA_ONLY_KEYS & set(cfg))
+
+
+def test_the_shared_baseline_keys_are_abstract_alone(method):
+    assert OmegaConf.is_missing(OmegaConf.create(method("feature_surgery")), "_target_")
+
+
+def test_featcal_clip_ta_is_featcal(method):
+    assert method("featcal/clip_ta") == method("featcal")
+    assert method("surgery/clip_ta") == method("surgery")
+    assert method("probsurgery/clip_ta") == method("probsurgery")
+
+
+def test_family_options_default_empty_and_the_demo_weights_the_last_blocks_patch_tokens(method):
+    for name in CALIBRATORS:
+        if name.startswith("featcal"):
+            expected = {"last_block_patch_token_weight": 0.01} if name == "featcal/clip_ta_demo" else {}
+            assert method(name)["family_options"] == expected, name
+    demo, base = method("featcal/clip_ta_demo"), method("featcal")
+    assert {k: v for k, v in demo.items() if base[k] != v} == {
+        "rho": 2.2, "alpha": 0.25, "family_options": {"last_block_patch_token_weight": 0.01}}
+
+
+@pytest.mark.parametrize("name", ["featcal", "featcal/clip_wudi", "surgery/clip_adamerging", "probsurgery/flan_t5_ta"])
+@pytest.mark.parametrize("upstream", ["simple_average", "wudi", "task_arithmetic"])
+def test_the_upstream_switches_from_the_command_line(method, name, upstream):
+    cfg = method(name, f"method/upstream={upstream}")
+    assert cfg["upstream"] == method(f"upstream/{upstream}")
+    assert {k: v for k, v in cfg.items() if k != "upstream"} == {k: v for k, v in method(name).items() if k != "upstream"}
+    assert method(name, f"method/upstream={upstream}", "method.upstream._target_=x.Y")["upstream"]["_target_"] == "x.Y"
+
+
+def test_each_upstream_and_each_default_is_written_once():
+    """No config but method/upstream/* writes an upstream mapping; a config composing from a base states only
+    what differs from it (its defaults list, and keys whose value the base does not already have)."""
+    for name in METHOD_CONFIGS:
+        if name.startswith("upstream/"):
+            continue
+        own = yaml.safe_load((METHOD_DIR / f"{name}.yaml").read_text()) or {}
+        assert "upstream" not in own, f"{name} writes its upstream out: use the method/upstream group"
+        if "/" in name:  # a variant: composes from its base and restates none of its values
+            family = name.split("/")[0]
+            assert f"/method/{BASES[family]}@_here_" in own["defaults"] or name == "featcal/flan_t5_large_ta", name
+
+
+def test_variants_state_only_what_differs_from_their_base(method):
+    for name in CALIBRATORS:
+        if "/" not in name:
+            continue
+        own = yaml.safe_load((METHOD_DIR / f"{name}.yaml").read_text()) or {}
+        base = method(BASES[name.split("/")[0]])
+        restated = {k for k, v in own.items() if k != "defaults" and k in base and base[k] == v}
+        assert not restated, f"{name} restates its base's {sorted(restated)}"
+
+
+@pytest.mark.parametrize("base", ["featcal", "surgery", "probsurgery"])
+def test_the_bases_defaults_are_the_constructors(method, base):
+    """The YAML bases and the code write the same default for every argument both have."""
+    cfg = method(base)
+    params = constructor_parameters(cfg["_target_"])
+    for key, value in cfg.items():
+        if key in ("_target_", "upstream", "family_options") or key not in params:  # family_options: None in code means {}
+            continue
+        assert params[key] == value and type(params[key]) is type(value), (base, key, params[key], value)
