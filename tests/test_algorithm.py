@@ -160,3 +160,23 @@ def test_calibration_examples_are_seeded_per_task_name():
     assert len(set(a)) == 16 and all(0 <= i < 1000 for i in a)
     assert a != calibration_indices(1000, 16, seed=43, task="mnist")
     assert a != calibration_indices(1000, 16, seed=42, task="svhn")
+
+
+def test_the_old_patch_weight_flag_still_works_with_a_warning_naming_the_new_option():
+    with pytest.warns(FutureWarning, match="method.family_options.last_block_patch_token_weight"):
+        algo = FeatCalAlgorithm(upstream=TA, last_block_patch_token_weight=0.01)
+    assert algo.family_options == {"last_block_patch_token_weight": 0.01}
+    with pytest.raises(ValueError, match="contradicts family_options"):
+        FeatCalAlgorithm(upstream=TA, last_block_patch_token_weight=0.01, family_options={"last_block_patch_token_weight": 1.0})
+
+
+def test_a_family_option_no_family_knows_fails_at_construction_and_one_the_models_family_lacks_before_the_upstream(
+    toy_world,
+):
+    with pytest.raises(ValueError, match="not an option of any model family.*last_block_patch_token_weight"):
+        FeatCalAlgorithm(upstream=TA, family_options={"no_such_option": 1})
+    spy = SpyUpstream()
+    with pytest.raises(ValueError, match="last_block_patch_token_weight must be a finite number >= 0"):
+        make(upstream=spy, family_options={"last_block_patch_token_weight": -1}).run(load_pool(toy_world))
+    assert not spy.ran
+
