@@ -9,7 +9,7 @@ import shlex
 import sys
 from datetime import date
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 def _accuracies(section: Dict) -> Dict[str, float]:
@@ -28,6 +28,21 @@ def comparison_table(report: Dict, models: List[str] = ("upstream", "featcal")) 
     for task in tasks:
         values = [100 * columns[m][task] for m in models]
         lines.append(f"| {task} | {' | '.join(f'{v:.1f}' for v in values)} | {values[-1] - values[0]:+.1f} |")
+    return "\n".join(lines)
+
+
+def method_rows_table(rows: Sequence[Tuple[str, Dict]]) -> str:
+    """One row per model (label, FusionBench evaluation section), per-task and average accuracy (%) as columns."""
+    columns = {label: _accuracies(section) for label, section in rows}
+    first = columns[rows[0][0]]
+    tasks = [t for t in first if t != "average"] + ["average"]
+    for label, values in columns.items():
+        missing = [t for t in tasks if t not in values]
+        if missing:
+            raise KeyError(f"{label} has no accuracy for {missing}")
+    lines = [f"| model | {' | '.join(tasks)} |", "|" + "---|" * (len(tasks) + 1)]
+    for label, values in columns.items():
+        lines.append(f"| {label} | {' | '.join(f'{100 * values[t]:.1f}' for t in tasks)} |")
     return "\n".join(lines)
 
 
@@ -56,14 +71,31 @@ def write_results(out: Path, results: Dict, markdown: str) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m featcal_fusionbench.reporting PROGRAM_REPORT_JSON", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: python -m featcal_fusionbench.reporting PROGRAM_REPORT_JSON [SURGERY_PROGRAM_REPORT_JSON]\n"
+              "  one report (FeatCal with method.return_upstream=true): upstream and FeatCal side by side;\n"
+              "  and a second one (a Surgery run on the same pools): TA, TA + FeatCal and TA + Surgery as rows",
+              file=sys.stderr)
         return 2
     report = json.loads(Path(argv[0]).read_text())
-    print(comparison_table(report))
     seconds = report.get("featcal_calibration", {}).get("seconds")
-    if seconds is not None:
-        print(f"\nFeatCal calibration time: {seconds:.2f} s")
+    if len(argv) == 1:
+        print(comparison_table(report))
+        if seconds is not None:
+            print(f"\nFeatCal calibration time: {seconds:.2f} s")
+        return 0
+    missing = [m for m in ("upstream", "featcal") if m not in report]
+    if missing:
+        raise KeyError(f"the first report has no {missing}; run FeatCal with method.return_upstream=true")
+    surgery = json.loads(Path(argv[1]).read_text())
+    surgery = surgery.get("surgery", surgery)  # with method.return_upstream=true Surgery's model is under "surgery"
+    print(method_rows_table([("TA", report["upstream"]), ("TA + FeatCal", report["featcal"]), ("TA + Surgery", surgery)]))
+    times = [] if seconds is None else [f"FeatCal {seconds:.1f} s"]
+    surgery_log = Path(argv[1]).parent / "surgery_report.json"
+    if surgery_log.is_file():
+        times.append(f"Surgery {json.loads(surgery_log.read_text())['seconds']:.1f} s")
+    if times:
+        print(f"\ncalibration time: {', '.join(times)}")
     return 0
 
 

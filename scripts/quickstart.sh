@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# The main job: set up, build the default offline world if absent, then run Task Arithmetic and
-# Task Arithmetic + FeatCal through the fusion_bench CLI and print their accuracies side by side.
+# The main job: set up, build the default offline world if absent, then run Task Arithmetic, Task Arithmetic + FeatCal
+# and Task Arithmetic + Surgery through the fusion_bench CLI and print their accuracies, one row each.
+# Default world: `clip-quick` (four real packaged tasks; built in minutes on 2 CPU cores, see docs/offline_world.md).
+# FEATCAL_WORLD=clip runs the full eight-task world instead (built once in about an hour), FEATCAL_WORLD=toy the
+# synthetic smoke world. Extra arguments go to the FeatCal run (e.g. method.lambda_=0.01).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${FEATCAL_VENV:-.venv}
-WORLD_NAME=${FEATCAL_WORLD:-clip}
+case "$VENV" in /*) ;; *) VENV=$PWD/$VENV ;; esac
+WORLD_NAME=${FEATCAL_WORLD:-clip-quick}
+N=64  # calibration examples per task, FeatCal and Surgery alike
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 WORLD=$("$VENV/bin/featcal-world" path "$WORLD_NAME" --build)
 read -r -a WORLD_ARGS <<< "$("$VENV/bin/featcal-world" args "$WORLD_NAME")"
 OUT=${FEATCAL_OUT:-outputs/quickstart/$(date +%Y-%m-%d_%H-%M-%S)}
-mkdir -p "$OUT"
+mkdir -p "$OUT/featcal" "$OUT/surgery"
 echo "world: $WORLD"
 echo "log:   $OUT/run.log"
-( cd "$OUT" && "$OLDPWD/$VENV/bin/fusion_bench" "${WORLD_ARGS[@]}" \
-    method=featcal method.num_calibration_examples=64 method.return_upstream=true path.log_dir=. "$@" ) > "$OUT/run.log" 2>&1 \
+( cd "$OUT/featcal" && "$VENV/bin/fusion_bench" "${WORLD_ARGS[@]}" \
+    method=featcal method.num_calibration_examples=$N method.return_upstream=true path.log_dir=. "$@" ) > "$OUT/run.log" 2>&1 \
+  && ( cd "$OUT/surgery" && "$VENV/bin/fusion_bench" "${WORLD_ARGS[@]}" \
+    method=surgery/clip_ta method.num_calibration_examples=$N method.precompute_features=true path.log_dir=. ) >> "$OUT/run.log" 2>&1 \
   || { tail -40 "$OUT/run.log"; exit 1; }
-"$VENV/bin/python" -m featcal_fusionbench.reporting "$OUT/program_report.json"
+"$VENV/bin/python" -m featcal_fusionbench.reporting "$OUT/featcal/program_report.json" "$OUT/surgery/program_report.json"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from featcal_experiments.worlds.clip_world import CLIP8, CLIPWorldSpec, TaskSpec, build_clip_world
+from featcal_experiments.worlds.clip_world import CLIP8, CLIP_QUICK, CLIPWorldSpec, TaskSpec, build_clip_world
 from featcal_experiments.worlds.registry import ENV_DIR
 from fusion_bench.utils import instantiate
 
@@ -78,6 +78,20 @@ def test_packaged_subsets_name_tasks_of_the_world(subset, size):
             assert list(config["models"]) == ["_pretrained_", *tasks] and list(config["train_datasets"]) == tasks
     assert [t.name for t in CLIP8.tasks] == list(yaml.safe_load(
         (REPO / "experiments/config/modelpool/CLIPVisionModelPool/offline_clip8.yaml").read_text())["test_datasets"])
+
+
+def test_the_quick_world_is_served_by_its_own_packaged_configs(tmp_path, monkeypatch):
+    """`clip-quick` (the quick start's world) is a separate registered world: its configs name its tasks and its
+    folder, and fail with its own build command before it is built."""
+    assert set(CLIP_QUICK.task_names) <= set(CLIP8.task_names) and CLIP_QUICK.name == "clip-quick"
+    for kind in ("modelpool/CLIPVisionModelPool", "taskpool/CLIPVisionModelTaskPool"):
+        text = (REPO / "experiments" / "config" / kind / "offline_clip_quick.yaml").read_text()
+        assert "${featcal_world:clip}" not in text
+        assert list(yaml.safe_load(text)["test_datasets"]) == CLIP_QUICK.task_names
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    modelpool_cfg, _ = packaged_pools("offline_clip_quick")
+    with pytest.raises(Exception, match="featcal-world build clip-quick"):
+        OmegaConf.to_container(modelpool_cfg, resolve=True)
 
 
 def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mini_world, tmp_path):

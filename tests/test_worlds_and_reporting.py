@@ -62,3 +62,24 @@ def test_comparison_table_lists_tasks_average_and_gain(tmp_path, capsys):
     assert "1.50 s" in out
     with pytest.raises(KeyError, match="return_upstream"):
         reporting.comparison_table({"featcal": {}})
+
+
+def test_two_reports_print_ta_featcal_and_surgery_as_rows(tmp_path, capsys):
+    featcal = {
+        "upstream": {"a": {"accuracy": 0.5}, "b": {"accuracy": 0.7}, "average": {"accuracy": 0.6}},
+        "featcal": {"a": {"accuracy": 0.75}, "b": {"accuracy": 0.7}, "average": {"accuracy": 0.725}},
+        "featcal_calibration": {"seconds": 1.5},
+    }
+    surgery = {"model_info": {}, "a": {"accuracy": 0.8}, "b": {"accuracy": 0.9}, "average": {"accuracy": 0.85}}
+    (tmp_path / "f").mkdir()
+    (tmp_path / "s").mkdir()
+    (tmp_path / "f" / "program_report.json").write_text(json.dumps(featcal))
+    (tmp_path / "s" / "program_report.json").write_text(json.dumps(surgery))
+    (tmp_path / "s" / "surgery_report.json").write_text(json.dumps({"seconds": 12.25}))
+    assert reporting.main([str(tmp_path / "f" / "program_report.json"), str(tmp_path / "s" / "program_report.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| model | a | b | average |" in out
+    assert "| TA | 50.0 | 70.0 | 60.0 |" in out
+    assert "| TA + FeatCal | 75.0 | 70.0 | 72.5 |" in out
+    assert "| TA + Surgery | 80.0 | 90.0 | 85.0 |" in out
+    assert "FeatCal 1.5 s, Surgery 12.2 s" in out

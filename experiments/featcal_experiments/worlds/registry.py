@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from .clip_world import CLIP8, build_clip_world
+from .clip_world import CLIP8, CLIP_QUICK, build_clip_world
 from .t5_world import T5_WORLD, build_t5_world
 from .toy_clip import ToyCLIPSpec, build_toy_clip_world
 
@@ -45,6 +45,14 @@ WORLDS: Dict[str, World] = {
         build=lambda root: build_clip_world(root, CLIP8),
         modelpool="CLIPVisionModelPool/offline_clip8",
         taskpool="CLIPVisionModelTaskPool/offline_clip8",
+        packaged=True,
+    ),
+    "clip-quick": World(
+        name="clip-quick",
+        description="4 of the clip world's tasks at 32 x 32, shorter pretraining: the quick start's world (minutes to build)",
+        build=lambda root: build_clip_world(root, CLIP_QUICK),
+        modelpool="CLIPVisionModelPool/offline_clip_quick",
+        taskpool="CLIPVisionModelTaskPool/offline_clip_quick",
         packaged=True,
     ),
     "t5": World(
