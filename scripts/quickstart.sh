@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set up, build the default offline world if absent, then run Task Arithmetic, Task Arithmetic + FeatCal
 # and Task Arithmetic + Surgery through the fusion_bench CLI and print their accuracies, one row each.
-# Default world: `clip-quick` (four real packaged tasks; built in minutes on 2 CPU cores, see docs/offline_world.md).
+# Default world: `clip-quick` (four real packaged tasks; built in minutes on 2 CPU cores, see experiments/docs/offline_world.md).
 # FEATCAL_WORLD=clip runs the full eight-task world instead (built once in about an hour), FEATCAL_WORLD=toy the
 # synthetic smoke world. Extra arguments go to the FeatCal run (e.g. method.lambda_=0.01).
 set -euo pipefail
