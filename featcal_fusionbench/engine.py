@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .capture import capture_inputs, group_shared_inputs
 from .drift import DriftMeter, stream_drift
 from .hparams import FeatCalHParams
-from .families import LINEAR, NORM_KINDS, ModelFamily
+from .families import LINEAR, NORM_KINDS, ModelFamily, Site
 from .moments import LinearInputMoments, NormInputMoments, Reduce, check_finite
 from .solver import (
     anchor,
@@ -93,10 +93,12 @@ class PhaseTimer:
 
 @dataclass
 class BlockPlan:
-    """Which sites of one block are calibrated: relative name -> (full name, kind)."""
+    """Which sites of one block are calibrated: relative name -> (full name, kind), and the sites themselves
+    (of the model the plan was made for)."""
 
     index: int
     modules: Dict[str, tuple]
+    sites: Dict[str, Site] = field(default_factory=dict)
 
     def names(self, *kinds: str) -> List[str]:
         return [rel for rel, (_, kind) in self.modules.items() if kind in kinds]
@@ -108,7 +110,7 @@ def plan_blocks(family: ModelFamily, model: nn.Module, hparams: FeatCalHParams) 
     pattern = re.compile(hparams.module_regex) if hparams.module_regex is not None else None
     plans = []
     for index, block in enumerate(family.blocks(model)):
-        selected = {}
+        selected, sites = {}, {}
         for rel, site in family.sites(block).items():
             if site.kind in NORM_KINDS and (not hparams.calibrate_layernorm or site.weight is None):
                 continue
@@ -116,7 +118,8 @@ def plan_blocks(family: ModelFamily, model: nn.Module, hparams: FeatCalHParams) 
             if pattern is not None and not pattern.search(full):
                 continue
             selected[rel] = (full, site.kind)
-        plans.append(BlockPlan(index, selected))
+            sites[rel] = site
+        plans.append(BlockPlan(index, selected, sites))
     if not any(plan.modules for plan in plans):
         raise ValueError(
             f"no module selected for calibration (module_regex={hparams.module_regex!r}, "
@@ -239,13 +242,12 @@ class FeatCalEngine:
 
     # ---- one block ----------------------------------------------------------------------------
 
-    def _snapshot_task(self, plan, block, expert_block, streams, num_blocks, groups):
+    def _snapshot_task(self, plan, block, expert_block, exp_sites, streams, num_blocks, groups):
         """Stream task i's batches through the uncalibrated and the expert block; return moments."""
         family = self.family
         linear = plan.names(LINEAR)
         norms = plan.names(*NORM_KINDS)
-        cal_sites = family.sites(block)
-        exp_sites = family.sites(expert_block)
+        cal_sites = plan.sites
         watched = linear + norms
         linear_moments: Dict[int, LinearInputMoments] = {}
         norm_moments: Dict[str, NormInputMoments] = {}
@@ -333,9 +335,9 @@ class FeatCalEngine:
             sums.add_norm(name, stats, exp_sites[name])
         sums.num_tasks += 1
 
-    def _solve_block(self, plan, block, base_block, sums: _BlockSums, groups) -> Dict[str, Any]:
+    def _solve_block(self, plan, base_block, sums: _BlockSums, groups) -> Dict[str, Any]:
         hp = self.hparams
-        cal_sites = self.family.sites(block)
+        cal_sites = plan.sites
         base_sites = self.family.sites(base_block)
         updates: List[tuple] = []
         methods: Counter = Counter()
@@ -431,14 +433,15 @@ class FeatCalEngine:
             if plan.modules:
                 for task in tasks:
                     expert_block = expert_blocks[task][index]
+                    exp_sites = family.sites(expert_block)
                     with on_device([expert_block], self.device):
                         groups, lin, norms, before_meters[task] = self._snapshot_task(
-                            plan, block, expert_block, streams[task], num_blocks, groups
+                            plan, block, expert_block, exp_sites, streams[task], num_blocks, groups
                         )
                         with self.timer("moments"):
-                            self._fold_task(plan, task, groups, lin, norms, family.sites(expert_block), sums)
+                            self._fold_task(plan, task, groups, lin, norms, exp_sites, sums)
                 with self.timer("solve"), on_device([base_blocks[index]], self.device):
-                    methods = self._solve_block(plan, block, base_blocks[index], sums, groups)
+                    methods = self._solve_block(plan, base_blocks[index], sums, groups)
             else:
                 # Nothing to fit here, but the expert and upstream trajectories still advance.
                 methods = {}

@@ -16,13 +16,25 @@ def _accuracies(section: Dict) -> Dict[str, float]:
     return {k: v["accuracy"] for k, v in section.items() if isinstance(v, dict) and "accuracy" in v}
 
 
+def _accuracy_columns(sections: Dict[str, Dict]):
+    """model -> task -> accuracy, and the tasks in the first model's order with the average last; every model must
+    have every task."""
+    columns = {name: _accuracies(section) for name, section in sections.items()}
+    first = next(iter(columns.values()))
+    tasks = [t for t in first if t != "average"] + ["average"]
+    for name, values in columns.items():
+        missing = [t for t in tasks if t not in values]
+        if missing:
+            raise KeyError(f"{name} has no accuracy for {missing}")
+    return columns, tasks
+
+
 def comparison_table(report: Dict, models: List[str] = ("upstream", "featcal")) -> str:
     """Per-task and average accuracy (%) of several models evaluated in one FusionBench run."""
     missing = [m for m in models if m not in report]
     if missing:
         raise KeyError(f"the report has no {missing}; run FeatCal with method.return_upstream=true")
-    columns = {m: _accuracies(report[m]) for m in models}
-    tasks = [t for t in columns[models[0]] if t != "average"] + ["average"]
+    columns, tasks = _accuracy_columns({m: report[m] for m in models})
     header = f"| task | {' | '.join(models)} | gain |"
     lines = [header, "|" + "---|" * (len(models) + 2)]
     for task in tasks:
@@ -33,13 +45,7 @@ def comparison_table(report: Dict, models: List[str] = ("upstream", "featcal")) 
 
 def method_rows_table(rows: Sequence[Tuple[str, Dict]]) -> str:
     """One row per model (label, FusionBench evaluation section), per-task and average accuracy (%) as columns."""
-    columns = {label: _accuracies(section) for label, section in rows}
-    first = columns[rows[0][0]]
-    tasks = [t for t in first if t != "average"] + ["average"]
-    for label, values in columns.items():
-        missing = [t for t in tasks if t not in values]
-        if missing:
-            raise KeyError(f"{label} has no accuracy for {missing}")
+    columns, tasks = _accuracy_columns(dict(rows))
     lines = [f"| model | {' | '.join(tasks)} |", "|" + "---|" * (len(tasks) + 1)]
     for label, values in columns.items():
         lines.append(f"| {label} | {' | '.join(f'{100 * values[t]:.1f}' for t in tasks)} |")
