@@ -19,6 +19,7 @@ from torch import nn
 
 from .checks import check_same_architecture
 from .data import check_splits
+from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class PostMergingMixin:
 
     def check_pool(self, modelpool, split: str = "train") -> List[str]:
         """Return the task names; raise on anything that would fail later."""
+        warn_if_nothing_is_evaluated()
         if not modelpool.has_pretrained:
             raise ValueError(
                 f"{self.method_name} needs the base model as `_pretrained_` in the model pool"
@@ -45,11 +47,14 @@ class PostMergingMixin:
 
     def load_base_and_experts(self, modelpool, tasks) -> Tuple[nn.Module, Dict[str, nn.Module]]:
         base = modelpool.load_pretrained_model()
+        return base, self.load_experts(modelpool, tasks, base)
+
+    def load_experts(self, modelpool, tasks, base) -> Dict[str, nn.Module]:
         experts = {}
         for task in tasks:
             experts[task] = modelpool.load_model(task)
             check_same_architecture(base, experts[task], f"expert {task!r}")
-        return base, experts
+        return experts
 
     def load_merged(self, modelpool, base, experts) -> Tuple[nn.Module, str]:
         merged, source = load_merged_model(modelpool, self.upstream, self.merged_model_path, self, base)

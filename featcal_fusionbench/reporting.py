@@ -52,12 +52,20 @@ def method_rows_table(rows: Sequence[Tuple[str, Dict]]) -> str:
     return "\n".join(lines)
 
 
+def portable(text: str) -> str:
+    """``text`` with the working folder's absolute path written relative to it and the home folder as ``~``, so that a
+    checked-in result names no machine's folders."""
+    cwd, home = str(Path.cwd().resolve()), str(Path.home())
+    text = "." if text == cwd else text.replace(cwd + os.sep, "")
+    return text.replace(home, "~") if len(home) > 1 else text
+
+
 def result_header(script: str, argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
-    """What every checked-in result names: the command that produced it (``argv`` as given, else the process's),
-    the machine and the date."""
+    """What every checked-in result names: the command that produced it (``argv`` as given, else the process's;
+    its paths made portable), the machine and the date."""
     args = sys.argv[1:] if argv is None else list(argv)
     return {
-        "command": shlex.join(["python", script, *args]),
+        "command": shlex.join(["python", script, *map(portable, args)]),
         "machine": machine_line(),
         "date": date.today().isoformat(),
     }

@@ -138,3 +138,25 @@ def test_pool_without_experts_is_an_error(cls, toy_world):
 def test_too_few_test_examples_for_test_time_adaptation_say_how_many(toy_world):
     with pytest.raises(ValueError, match="has only 32 test examples, fewer than num_calibration_examples=33"):
         make(SurgeryAlgorithm, calibration_split="test", num_calibration_examples=33).run(load_pool(toy_world))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_vision_only_base_checkpoint_is_named_before_any_expert_loads(cls, toy_world, tmp_path, monkeypatch):
+    """Their feature site needs CLIP's visual projection, which a CLIPVisionModel checkpoint does not hold; FeatCal
+    runs on such a pool (its experts are vision-only too)."""
+    from transformers import CLIPVisionModel
+
+    vision_only = tmp_path / "vision_only"
+    CLIPVisionModel.from_pretrained(toy_world["root"] / "pretrained").save_pretrained(vision_only)
+    pool = load_pool(toy_world)
+    pool._models["_pretrained_"] = str(vision_only)
+    loaded, load_model = [], type(pool).load_model
+
+    def recording(self, name, *args, **kwargs):
+        loaded.append(name)
+        return load_model(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(type(pool), "load_model", recording)
+    with pytest.raises(ValueError, match=r"`models._pretrained_` \(.*vision_only\) is a 'clip_vision_model' checkpoint"):
+        make(cls).run(pool)
+    assert loaded == ["_pretrained_"]  # no expert

@@ -28,12 +28,14 @@ def fusion_bench(*args, cwd, check=True):
 
 
 def toy_args(toy_world, *extra):
+    """The method's options first and the world's arguments after them, as users type them (`fusion_bench
+    method=featcal $(featcal-world args toy)`); the world adds its config folder as `featcal-world args` does."""
     return [
-        "--config-dir", toy_world["config_dir"],
+        *extra,
+        f"hydra.searchpath=[file://{toy_world['config_dir']}]",
         "modelpool=CLIPVisionModelPool/toy",
         "taskpool=CLIPVisionModelTaskPool/toy",
         "method.num_calibration_examples=16",
-        *extra,
     ]
 
 

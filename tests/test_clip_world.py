@@ -94,35 +94,36 @@ def test_the_quick_world_is_served_by_its_own_packaged_configs(tmp_path, monkeyp
         OmegaConf.to_container(modelpool_cfg, resolve=True)
 
 
-def test_results_runner_writes_the_table_and_the_sweep_from_fusion_bench_runs(mini_world, tmp_path):
+def test_the_reproduction_runner_renders_table_12_from_real_fusion_bench_runs(mini_world, tmp_path, monkeypatch):
+    """Table 12's pipeline end to end on the reduced world (its `offline_clip2` pools standing in for the eight
+    tasks): Task Arithmetic once, calibrators per budget and seed after it, the table from their reports, and a second
+    invocation that resumes instead of running again."""
+    from dataclasses import replace
+
+    from featcal_experiments.reproduce.catalog import OFFLINE_SETTINGS, Catalog
+    from featcal_experiments.reproduce.render import build_table, markdown, write_tables
+    from featcal_experiments.reproduce.runner import Runner, collect
+
     worlds, _ = mini_world
-    env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = tmp_path / "results" / "mini"
-    command = [
-        sys.executable, str(REPO / "experiments" / "scripts" / "world_results.py"), "--subset", "offline_clip2", "--upstreams", "ta",
-        "--n", "8", "--sweep-n", "4", "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(out),
-        "--calibrators", "featcal,surgery", "--sweep-calibrators", "featcal,probsurgery", "--baseline-steps", "5",
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(out.with_suffix(".json").read_text())
-    ta = results["mergers"]["ta"]
-    assert set(ta["calibrated"]) == {"featcal", "surgery"}
-    for entry in (ta["upstream"], *(c["accuracy"] for c in ta["calibrated"].values())):
-        assert set(entry) == {"mnist", "textile", "average"}
-    assert all(c["seconds"] > 0 and c["peak_rss_bytes"] > 2**20 for c in ta["calibrated"].values())
-    sweep = results["sweep"]
-    assert {c: list(v) for c, v in sweep["averages"].items()} == {"featcal": ["4"], "probsurgery": ["4"]}
-    assert "precomputed" in sweep["baseline_features"] and out.with_suffix(".png").stat().st_size > 0
-    table = out.with_suffix(".md").read_text()
-    assert "| Task Arithmetic + FeatCal |" in table and "| Task Arithmetic + Surgery |" in table
-    assert results["command"] in table and "5 iterations" in table
-    header = next(line for line in table.splitlines() if line.startswith("| method |"))
-    assert header == "| method | mnist | textile | average | calibration s | peak RSS GiB |"
+    monkeypatch.setenv(ENV_DIR, str(worlds))
+    catalog = Catalog("offline", tmp_path / "runs", ["probsurgery:method.precompute_features=true", "probsurgery:method.max_steps=5"])
+    catalog.settings = {**OFFLINE_SETTINGS, "offline-clip8": replace(
+        OFFLINE_SETTINGS["offline-clip8"], modelpool="CLIPVisionModelPool/offline_clip2",
+        taskpool="CLIPVisionModelTaskPool/offline_clip2")}
+    rows = catalog.select(["12"], ["ta+featcal/n8-seed4[23]", "ta+probsurgery/n8-seed42"])
+    summary = Runner(catalog, log=lambda _: None).run(rows)
+    assert summary.ok and summary.count("ran") == 4, summary.text()
+    model = build_table(catalog, "12", collect(catalog, catalog.rows("12"))[0])
+    by_method = {row.method: row for row in model.blocks[0].rows}
+    featcal, probsurgery = by_method["ta+featcal"].cells["n8"], by_method["ta+probsurgery"].cells["n8"]
+    assert featcal.seeds == 2 and 0.0 <= featcal.ours <= 100.0 and featcal.ours_std is not None
+    assert probsurgery.seeds == 1 and by_method["ta+surgery"].status == "missing"
+    assert by_method["ta+featcal"].budget_seconds["n8"] > 0
+    assert "| w/ FeatCal (partial) | ours |" in markdown(model)
+    assert (tmp_path / "table_12.png") in write_tables([model], tmp_path)
     # a second invocation resumes: the runs are reused, not repeated
-    logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("run.log")}
-    subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
-    assert {p: p.stat().st_mtime_ns for p in logs} == logs
+    again = Runner(catalog, log=lambda _: None).run(rows)
+    assert again.count("resumed") == 4 and again.count("ran") == 0
 
 
 def test_ablation_reports_single_and_joint_recovery_interference_and_overlap(mini_world, tmp_path):

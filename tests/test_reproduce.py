@@ -131,7 +131,7 @@ def test_one_task_text_pools_keep_only_that_tasks_regression_entry(tmp_path):
 def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp_path):
     catalog = Catalog("hub", tmp_path)
     runs = all_runs(catalog)
-    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26  # Table 2's runs are App. I's
+    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26 + 63  # Table 2's runs are App. I's; Table 12 reads Table 1's TA
     for run in runs.values():
         args = overrides_of(run)
         assert run.command.startswith("fusion_bench method=")
@@ -151,6 +151,27 @@ def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp
         assert args.get("method.precompute_features") == ("true" if calibrator == "surgery" else None)
         assert args["seed"] == "7"
     assert "seed" not in overrides_of(scoped.upstream_run("offline-t5", "ta"))
+
+
+@pytest.mark.parametrize("world, key", [("hub", "b32-8"), ("offline", "offline-clip8")])
+def test_table_12_runs_each_calibrator_per_budget_and_seed_after_table_1s_task_arithmetic(tmp_path, world, key):
+    catalog = Catalog(world, tmp_path, ["method.num_calibration_examples=3", "featcal:method.seed=1"])
+    rows = catalog.rows("12")
+    assert [r.method for r in rows] == ["ta+surgery", "ta+probsurgery", "ta+featcal"]
+    assert PAPER["12"]["std"]["b32-8/ta+featcal"]["n8"] == 0.3 and PAPER["12"]["rows"]["b32-8/ta+featcal"]["n512"] == 85.5
+    table_1_ta = catalog.upstream_run(key, "ta")
+    for row in rows:
+        assert row.setting == key and len(row.runs) == 7 * 3
+        assert [r.budget for r in row.runs[:4]] == [(8, 42), (8, 43), (8, 44), (16, 42)]
+        for run in row.runs:
+            n, seed = run.budget
+            assert run.id == f"{key}/{row.method}/n{n}-seed{seed}" and run.depends == (table_1_ta.id,)
+            # the budget comes last, so a user's override of n or of the seed cannot change what the cell means
+            args = overrides_of(run)
+            assert (args["method.num_calibration_examples"], args["method.seed"]) == (str(n), str(seed))
+    chosen = catalog.select(["12"], ["ta+featcal/n8-*", "ta+surgery/n512-seed44"])
+    assert [[r.part for r in row.runs] for row in chosen] == [["n512-seed44"], ["n8-seed42", "n8-seed43", "n8-seed44"]]
+    assert Runner(catalog).plan(chosen)[0].id == table_1_ta.id
 
 
 def test_bad_input_fails_before_anything_runs(tmp_path):
@@ -568,6 +589,40 @@ def test_renderer_lists_each_rows_wall_time_and_the_calibrators_own_time(tmp_pat
     assert "| ta | 28 |  |" in times and "| ta+featcal | 46 | 18.0 |" in times and "| ta+surgery | 474 |  |" in times
     assert f"| finetuned | {sum(10 + i for i in range(len(tasks)))} |  |" in times  # the per-task runs, summed
     assert "| wudi |" not in times  # no result, no time
+
+
+def test_table_12_renders_mean_and_std_over_seeds_beside_the_papers_and_draws_it(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    tasks = HUB_SETTINGS["b32-8"].tasks
+    row = next(r for r in catalog.rows("12") if r.method == "ta+featcal")
+    for run, accuracy in zip(row.runs[:3], (80.0, 82.0, 84.0)):  # n = 8, three seeds
+        write_result(catalog, run, clip_report({t: accuracy for t in tasks}))
+        (catalog.run_dir(run.id) / "featcal_report.json").write_text(json.dumps({"seconds": accuracy / 10}))
+    write_result(catalog, row.runs[3], {"featcal": clip_report({t: 90.0 for t in tasks})})  # n = 16, one seed
+    model = build_table(catalog, "12", collect(catalog, catalog.rows("12"))[0])
+    cells = model.blocks[0].rows[2].cells
+    assert (cells["n8"].ours, cells["n8"].ours_std, cells["n8"].seeds) == (pytest.approx(82.0), pytest.approx(2.0), 3)
+    assert (cells["n8"].paper, cells["n8"].paper_std, cells["n8"].shown_diff) == (82.9, 0.3, -0.9)
+    md = markdown(model)
+    assert "| w/ FeatCal (partial) | paper | 82.9 ± 0.3 | 83.8 ± 0.2 |" in md
+    assert "|  | ours | 82.0 ± 2.0 | 90.0 (1 seed) | – |" in md and "|  | diff | -0.9 | +6.2 |" in md
+    assert "| w/ Surgery | 8.0 | 8.2 |" not in md and "| w/ FeatCal | 8.2 |  |" in md  # seconds: mean of the seeds
+    assert r"82.0 $\pm$ 2.0" in latex(model)
+    rows = list(__import__("csv").DictReader(csv_text(model).splitlines()))
+    cell = next(r for r in rows if r["row"] == "ta+featcal" and r["column"] == "n8")
+    assert (cell["paper_std"], float(cell["ours_std"]), cell["seeds"]) == ("0.3", 2.0, "3")
+    written = write_tables([model], tmp_path / "tables")
+    assert (tmp_path / "tables" / "table_12.png") in written and (tmp_path / "tables" / "table_12.png").stat().st_size
+
+
+def test_rendered_tables_name_the_runs_folder_without_the_machines_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    inside = markdown(build_table(Catalog("offline", tmp_path / "outputs" / "runs"), "1", {}))
+    assert "Runs: `outputs/runs`." in inside and str(tmp_path) not in inside
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert "Runs: `~/r`." in markdown(build_table(Catalog("offline", tmp_path / "home" / "r"), "1", {}))
 
 
 def test_calibrators_save_their_reports_under_the_name_the_renderer_reads():

@@ -31,7 +31,9 @@ def test_world_commands_build_atomically_and_locate(tmp_path, monkeypatch, capsy
     assert len(calls) == 1  # already built: skipped
     capsys.readouterr()
     assert cli.main(["args", "fake"]) == 0
-    assert capsys.readouterr().out.split() == ["--config-dir", str(final / "config"), "modelpool=P/fake", "taskpool=T/fake"]
+    # a searchpath override, not --config-dir: it works anywhere on the command line
+    assert capsys.readouterr().out.split() == [f"hydra.searchpath=[file://{final / 'config'}]", "modelpool=P/fake",
+                                               "taskpool=T/fake"]
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@
   python experiments/scripts/diagnostics.py corruption   # Table 6: calibration data corrupted (ImageNet-C severity 3), clean tests
   python experiments/scripts/diagnostics.py sweep        # Fig. 5: single-factor lambda / rho / alpha sweeps (Hydra multirun)
                                              # after Task Arithmetic and WUDI, each merged once and reused
-The sample-budget sweep (Table 12) is `python experiments/scripts/world_results.py --upstreams "" --sweep-n 8,16,32,64,128,256,512`.
+The sample-budget sweep (Table 12, Fig. 3) is a table of the runner: `python experiments/scripts/reproduce.py --table 12`.
 Runs go through the `fusion_bench` CLI in folders under --runs, cached by command (an interrupted invocation resumes).
 Options: --world offline (default: the offline CLIP world, offline_clip8), hub (FusionBench's ViT-B/32 TA8 pools) or
 toy (the synthetic smoke world);
@@ -172,12 +172,10 @@ def provenance(args, started: float) -> dict:
 def pool_args(args) -> list:
     if args.world == "hub":
         return [f"modelpool={HUB_POOLS[0]}", f"taskpool={HUB_POOLS[1]}"]
-    from featcal_experiments.worlds.registry import build_world, world_path
+    from featcal_experiments.worlds.registry import build_world, fusion_bench_args
 
     build_world(WORLDS[args.world])
-    name = {"offline": "offline_clip8", "toy": "toy"}[args.world]
-    config_dir = ["--config-dir", str(world_path("toy") / "config")] if args.world == "toy" else []
-    return [*config_dir, f"modelpool=CLIPVisionModelPool/{name}", f"taskpool=CLIPVisionModelTaskPool/{name}"]
+    return fusion_bench_args(WORLDS[args.world])
 
 
 def average_accuracy(section: dict) -> float:

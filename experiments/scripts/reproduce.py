@@ -12,12 +12,13 @@ Usage:
       --override method.num_calibration_examples=16            # the offline CLIP world, a cheap smoke run
 
 Tables: 1 (CLIP-ViT-B/32, 8 tasks), 2 (extended averages: L/14 8 tasks, B/32 and L/14 on 14 and 20 tasks),
-3 (FLAN-T5-base and -large on GLUE), 7-11 (App. I: the per-task tables behind Table 2). Every row is a FusionBench
+3 (FLAN-T5-base and -large on GLUE), 7-11 (App. I: the per-task tables behind Table 2), 12 (the sample budget:
+each calibrator after Task Arithmetic at n = 8 ... 512 examples per task, three seeds; also drawn as Fig. 3). Every row is a FusionBench
 run in its own folder under --out: each upstream merger (Simple Averaging, Task Arithmetic, AdaMerging, WUDI) runs
 once, is evaluated, and saves its merged model (AdaMerging also its merging weights); Surgery, ProbSurgery and
 FeatCal then start from that saved model (`method.merged_model_path`). A run whose result exists with the same
 command is skipped, so an interrupted invocation resumes. Rendered tables go to OUT/tables/table_N.{md,tex,csv}.
-`--world offline` maps Table 1 to the offline CLIP world and Table 3's base rows to the offline text world; the
+`--world offline` maps Tables 1 and 12 to the offline CLIP world and Table 3's base rows to the offline text world; the
 other rows have no offline world and are listed as skipped, with the reason.
 """
 
@@ -34,7 +35,7 @@ from featcal_experiments.reproduce.catalog import Catalog, CatalogError, list_li
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", action="append", required=True,
-                        help="1, 2, 3, 7, 8, 9, 10, 11, I (Tables 7-11) or all; repeat or comma-separate")
+                        help="1, 2, 3, 7, 8, 9, 10, 11, 12, I (Tables 7-11) or all; repeat or comma-separate")
     parser.add_argument("--rows", default=None,
                         help="comma-separated row ids, id prefixes, globs or method names (default: every row)")
     parser.add_argument("--world", choices=["hub", "offline"], default="hub")

@@ -146,9 +146,10 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             modelpool = BaseModelPool(modelpool)
         tasks = self.check_pool(modelpool, self.calibration_split)
         with self.profile("load models"):
-            base, experts = self.load_base_and_experts(modelpool, tasks)
+            base = modelpool.load_pretrained_model()
             family = family_for(base)
-            site = family.feature_site(modelpool, base)
+            site = family.feature_site(modelpool, base)  # a pool that cannot give it fails before the experts
+            experts = self.load_experts(modelpool, tasks, base)
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
                 modelpool, tasks, self.num_calibration_examples, self.seed, self.calibration_split,

@@ -8,11 +8,12 @@ FusionBench's CLIP classifier applies ``compute_surgery_features`` before the ze
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Hashable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from transformers import CLIPVisionModel
+from transformers import CLIPVisionModel, PretrainedConfig
 from transformers.models.clip.modeling_clip import CLIPVisionTransformer
 
 from . import register_family
@@ -25,6 +26,28 @@ CLS_WEIGHTED = "cls-weighted"
 _KV_MODULES = ("self_attn.k_proj", "self_attn.v_proj")
 
 
+def check_full_clip_checkpoint(modelpool) -> None:
+    """The projection lives in a full CLIPModel checkpoint only: name the pool entry when ``_pretrained_`` is another
+    kind (a vision-only CLIPVisionModel checkpoint would otherwise fail deep inside transformers with size
+    mismatches). An entry whose config cannot be read here (a hub name offline) is left to the loader."""
+    entry = modelpool.get_model_config("_pretrained_")
+    name = entry if isinstance(entry, (str, os.PathLike)) else entry.get("pretrained_model_name_or_path", None)
+    if name is None:
+        return
+    try:
+        kind = PretrainedConfig.get_config_dict(str(name))[0].get("model_type")
+    except OSError:
+        return
+    if kind != "clip":
+        raise ValueError(
+            f"Surgery and ProbSurgery on CLIP train on the projected image embedding, whose projection "
+            f"(visual_projection) only a full CLIPModel checkpoint holds; the pool's `models._pretrained_` ({name}) "
+            f"is a {kind!r} checkpoint. Point `modelpool.models._pretrained_` at the full CLIP checkpoint of the same "
+            f"model (as FusionBench's CLIP pools do, e.g. openai/clip-vit-base-patch32); the experts may stay "
+            f"vision-only. FeatCal needs no projection and runs on this pool as it is."
+        )
+
+
 class CLIPImageFeatureSite(FeatureSite):
     """The projected, normalised image embedding (FusionBench's CLIP protocol)."""
 
@@ -34,6 +57,7 @@ class CLIPImageFeatureSite(FeatureSite):
                 f"Surgery and ProbSurgery on a CLIP vision model need a CLIPVisionModelPool (for the visual "
                 f"projection); got a {type(modelpool).__name__}"
             )
+        check_full_clip_checkpoint(modelpool)
         clip = modelpool.load_clip_model("_pretrained_")
         self.projection = copy.deepcopy(clip.visual_projection).requires_grad_(False)
         self.dim = self.projection.out_features

@@ -1,4 +1,4 @@
-"""The paper's Tables 1, 2, 3 and App. I (Tables 7-11) as data: every row as one or more `fusion_bench` commands.
+"""The paper's Tables 1, 2, 3, App. I (Tables 7-11) and Table 12 as data: every row as one or more `fusion_bench` commands.
 
 A *setting* is a model pool and a task pool (CLIP-ViT-B/32 on TA8, FLAN-T5-base on GLUE, the offline CLIP world,
 ...). A *run* is one `fusion_bench` command in one setting; its identity ``<setting>/<method>[/<task>]`` names its
@@ -10,7 +10,9 @@ own task: ``method=dummy`` with ``_pretrained_`` pointed at the expert's pool en
 ``simple_average``, ``ta``, ``adamerging``, ``wudi`` (FusionBench's own configs; each saves its merged model with
 ``merged_model_save_path``, AdaMerging also its merging weights), and ``<upstream>+<calibrator>`` for the
 calibrators ``surgery``, ``probsurgery``, ``featcal`` (this plugin's configs, reading the saved merged model with
-``method.merged_model_path``). ``mtl`` (Traditional MTL) is a paper number only.
+``method.merged_model_path``). ``mtl`` (Traditional MTL) is a paper number only. Table 12 (the sample budget)
+runs each calibrator after Task Arithmetic once per budget n and seed, ``<setting>/ta+<calibrator>/n<n>-seed<seed>``,
+all reading the one Task Arithmetic run that Table 1 reads too.
 
 Nothing here imports torch or FusionBench: listing the commands is cheap.
 """
@@ -22,6 +24,8 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from featcal_fusionbench.pool_names import PAPER_POOLS
 
 from .paper import PAPER
 
@@ -88,12 +92,11 @@ T5_CALIBRATORS = {"surgery": "surgery/flan_t5_ta", "probsurgery": "probsurgery/f
 L14 = ("taskpool.base_model=openai/clip-vit-large-patch14",)
 
 
-def _clip(key, title, arch, suite, tasks, taskpool_suffix="", taskpool_overrides=()):
+def _clip(key, title, arch, suite, tasks):
+    pool = PAPER_POOLS[f"clip-vit-{arch}_{suite}"]
     return Setting(
-        key=key, title=title, family="clip",
-        modelpool=f"CLIPVisionModelPool/clip-vit-{arch}_{suite}",
-        taskpool=f"CLIPVisionModelTaskPool/clip-vit-classification_{suite}{taskpool_suffix}",
-        tasks=tasks, taskpool_overrides=tuple(taskpool_overrides),
+        key=key, title=title, family="clip", modelpool=pool.modelpool, taskpool=pool.taskpool,
+        tasks=tasks, taskpool_overrides=pool.taskpool_overrides,
         single_task_taskpool="CLIPVisionModelTaskPool/clip-vit-single-task_{task}",
         single_task_overrides=L14 if arch == "large-patch14" else (),
         calibrator_configs=CLIP_CALIBRATORS,
@@ -106,17 +109,18 @@ HUB_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
     _clip("b32-20", "CLIP-ViT-B/32, 20 tasks (TALL20)", "base-patch32", "TALL20", TALL20),
     # FusionBench has an L/14 variant of the TA8 task pool only; TALL14/20 take the L/14 text tower by override
     # (the single-task task pools of the fine-tuned rows too).
-    _clip("l14-8", "CLIP-ViT-L/14, 8 tasks (TA8)", "large-patch14", "TA8", TA8, "_L14"),
-    _clip("l14-14", "CLIP-ViT-L/14, 14 tasks (TALL14)", "large-patch14", "TALL14", TALL14, "", L14),
-    _clip("l14-20", "CLIP-ViT-L/14, 20 tasks (TALL20)", "large-patch14", "TALL20", TALL20, "", L14),
+    _clip("l14-8", "CLIP-ViT-L/14, 8 tasks (TA8)", "large-patch14", "TA8", TA8),
+    _clip("l14-14", "CLIP-ViT-L/14, 14 tasks (TALL14)", "large-patch14", "TALL14", TALL14),
+    _clip("l14-20", "CLIP-ViT-L/14, 20 tasks (TALL20)", "large-patch14", "TALL20", TALL20),
     Setting(
         key="t5-base", title="FLAN-T5-base, 8 GLUE tasks (full fine-tuned experts)", family="t5",
-        modelpool="Seq2SeqLMPool/flan-t5-base_glue", taskpool="flan-t5_glue_text_generation_average",
+        modelpool=PAPER_POOLS["flan-t5-base_glue"].modelpool, taskpool=PAPER_POOLS["flan-t5-base_glue"].taskpool,
         tasks=GLUE, calibrator_configs=T5_CALIBRATORS, regression_tasks=("glue-stsb",),
     ),
     Setting(
         key="t5-large", title="FLAN-T5-large, 8 GLUE tasks (LoRA-16 experts)", family="t5",
-        modelpool="Seq2SeqLMPool/flan-t5-large_glue_lora16", taskpool="flan-t5_glue_text_generation_average",
+        modelpool=PAPER_POOLS["flan-t5-large_glue_lora16"].modelpool,
+        taskpool=PAPER_POOLS["flan-t5-large_glue_lora16"].taskpool,
         tasks=GLUE, calibrator_configs={**T5_CALIBRATORS, "featcal": "featcal/flan_t5_large_ta"},
         regression_tasks=("glue-stsb",),
     ),
@@ -142,7 +146,7 @@ OFFLINE_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
     ),
 ]}
 
-NO_OFFLINE = ("offline worlds exist only for an 8-task CLIP (`clip`: Table 1's rows) and a FLAN-T5-base-shaped "
+NO_OFFLINE = ("offline worlds exist only for an 8-task CLIP (`clip`: Tables 1 and 12) and a FLAN-T5-base-shaped "
               "text model (`t5`: Table 3's base rows)")
 
 
@@ -162,7 +166,10 @@ class TableSpec:
     title: str
     groups: Tuple[Group, ...]
     methods: Tuple[str, ...]
-    layout: str = "tasks"  # "tasks": per-task columns and Avg. per block; "settings": one column per group (Table 2)
+    layout: str = "tasks"  # "tasks": per-task columns and Avg. per block; "settings": one column per group (Table 2);
+    # "budget": one column per calibration budget n, each cell the mean and standard deviation over seeds (Table 12)
+    budgets: Tuple[int, ...] = ()
+    seeds: Tuple[int, ...] = ()
 
 
 def _merger_rows(upstreams=UPSTREAMS):
@@ -197,6 +204,12 @@ TABLES: Dict[str, TableSpec] = {
     "9": _single("9", "l14-14", why=f"no offline 14-task CLIP-ViT-L/14 world; {NO_OFFLINE}"),
     "10": _single("10", "b32-20", why=f"no offline 20-task world; {NO_OFFLINE}"),
     "11": _single("11", "l14-20", why=f"no offline 20-task CLIP-ViT-L/14 world; {NO_OFFLINE}"),
+    # App. K: exactly n examples per task for every calibrator, seeds 42, 43 and 44
+    "12": TableSpec(
+        "12", PAPER["12"]["caption"], (Group("", HUB_SETTINGS["b32-8"].title, "b32-8", "offline-clip8"),),
+        tuple(f"ta+{c}" for c in CALIBRATORS), layout="budget",
+        budgets=tuple(int(c[1:]) for c in PAPER["12"]["columns"]), seeds=(42, 43, 44),
+    ),
 }
 TABLE_ALIASES = {"I": ("7", "8", "9", "10", "11"), "all": tuple(TABLES)}
 
@@ -235,6 +248,14 @@ class Run:
     depends: Tuple[str, ...] = ()  # runs whose saved outputs this one reads
     saves: Tuple[str, ...] = ()  # outputs, relative to its folder, that later runs read
     offline_env: bool = False
+    budget: Optional[Tuple[int, int]] = None  # (n, seed) of a Table 12 run
+
+    @property
+    def part(self) -> Optional[str]:
+        """What tells the runs of one row apart: the task of a per-task run, the budget of a Table 12 run."""
+        if self.budget:
+            return f"n{self.budget[0]}-seed{self.budget[1]}"
+        return self.task
 
     @property
     def command(self) -> str:
@@ -356,16 +377,19 @@ class Catalog:
                           [f"merged_model_save_path={folder / 'merged'}"])
         return Run(run_id, key, upstream, "upstream", args, saves=tuple(saves), offline_env=setting.offline_env)
 
-    def calibrator_run(self, key: str, upstream: str, calibrator: str) -> Run:
+    def calibrator_run(self, key: str, upstream: str, calibrator: str,
+                       budget: Optional[Tuple[int, int]] = None) -> Run:
+        """``budget``: (n, seed), set after every other option so that it is what the run uses."""
         setting = self.settings[key]
-        run_id = f"{key}/{upstream}+{calibrator}"
+        run_id = f"{key}/{upstream}+{calibrator}" + (f"/n{budget[0]}-seed{budget[1]}" if budget else "")
         head = [f"method={setting.calibrator_config(calibrator, upstream)}",
                 f"method.merged_model_path={self.run_dir(f'{key}/{upstream}') / 'merged'}",
                 *setting.calibrator_overrides,
-                *(hydra for target, hydra in map(split_calibrator, self.calibrator_overrides) if target in (None, calibrator))]
+                *(hydra for target, hydra in map(split_calibrator, self.calibrator_overrides) if target in (None, calibrator)),
+                *((f"method.num_calibration_examples={budget[0]}", f"method.seed={budget[1]}") if budget else ())]
         return Run(run_id, key, f"{upstream}+{calibrator}", "calibrator",
                    self._args(setting, run_id, head, [f"taskpool={setting.taskpool}"]),
-                   depends=(f"{key}/{upstream}",), offline_env=setting.offline_env)
+                   depends=(f"{key}/{upstream}",), offline_env=setting.offline_env, budget=budget)
 
     def pretrained_run(self, key: str) -> Run:
         setting = self.settings[key]
@@ -421,6 +445,10 @@ class Catalog:
                     runs = tuple(self.finetuned_run(key, t) for t in tasks)
                 elif method == "pretrained":
                     runs = (self.pretrained_run(key),)
+                elif "+" in method and spec.layout == "budget":
+                    upstream, calibrator = method.split("+")
+                    runs = tuple(self.calibrator_run(key, upstream, calibrator, (n, seed))
+                                 for n in spec.budgets for seed in spec.seeds)
                 elif "+" in method:
                     upstream, calibrator = method.split("+")
                     runs = (self.calibrator_run(key, upstream, calibrator),)
@@ -431,12 +459,13 @@ class Catalog:
 
     def select(self, tables: Sequence[str], patterns: Optional[Sequence[str]] = None) -> List[Row]:
         """The rows of ``tables``; with ``patterns``, those whose id matches one (an id, a prefix up to a ``/``,
-        a glob such as ``*/ta+featcal``, or the method part alone such as ``ta+featcal``). A pattern that matches
-        nothing is an error, before anything runs."""
+        a glob such as ``*/ta+featcal``, or the method part alone such as ``ta+featcal``; ``<id>/<part>`` picks
+        runs of a row: a task of the fine-tuned row, ``n8-seed42`` or ``n8-*`` of a Table 12 row). A pattern that
+        matches nothing is an error, before anything runs."""
         rows = [row for table in tables for row in self.rows(table)]
         if not patterns:
             return rows
-        chosen: Dict[int, Optional[set]] = {}  # row index -> the tasks chosen of a per-task row (None: all)
+        chosen: Dict[int, Optional[set]] = {}  # row index -> the parts chosen of a row's runs (None: all)
         unmatched = []
         for pattern in patterns:
             hit = False
@@ -444,23 +473,23 @@ class Catalog:
                 if row_matches(row, pattern):
                     chosen[i], hit = None, True
                     continue
-                tasks = {r.task for r in row.runs if r.task and (pattern == f"{row.id}/{r.task}"
-                                                                  or fnmatch.fnmatchcase(f"{row.id}/{r.task}", pattern))}
-                if tasks:
+                parts = {r.part for r in row.runs if r.part and fnmatch.fnmatchcase(f"{row.id}/{r.part}", pattern)}
+                if parts:
                     hit = True
                     if i not in chosen or chosen[i] is not None:
-                        chosen[i] = (chosen.get(i) or set()) | tasks
+                        chosen[i] = (chosen.get(i) or set()) | parts
             if not hit:
                 unmatched.append(pattern)
         if unmatched:
             known = ", ".join(dict.fromkeys(r.id for r in rows))
             raise CatalogError(f"no row matches {', '.join(map(repr, unmatched))} in table(s) "
-                               f"{', '.join(tables)}; row ids: {known} (a per-task row also takes <id>/<task>)")
+                               f"{', '.join(tables)}; row ids: {known} (a per-task row also takes <id>/<task>, a Table 12 row "
+                               "<id>/n<n>-seed<seed>)")
         out = []
         for i, row in enumerate(rows):
             if i in chosen:
-                tasks = chosen[i]
-                out.append(row if tasks is None else replace(row, runs=tuple(r for r in row.runs if r.task in tasks)))
+                parts = chosen[i]
+                out.append(row if parts is None else replace(row, runs=tuple(r for r in row.runs if r.part in parts)))
         return out
 
     def dependencies(self, run: Run) -> List[Run]:
@@ -488,7 +517,7 @@ def list_lines(rows: Iterable[Row]) -> List[str]:
             lines.append(f"# {prefix}: skipped ({row.skip})")
             continue
         for run in row.runs:
-            where = f"{prefix}" + (f" [{run.task}]" if run.task else "")
+            where = f"{prefix}" + (f" [{run.part}]" if run.part else "")
             after = f"; after {', '.join(run.depends)}" if run.depends else ""
             lines.append(f"{run.command}  # {where} ({run.id}{after})")
     return lines

@@ -6,7 +6,9 @@ task's ``accuracy`` (CLIP, GLUE exact match) or ``spearman_rho`` (STS-B, regress
 columns are the world's tasks and the paper column is empty: its numbers are not comparable. The Markdown also lists
 each row's wall time (the whole `fusion_bench` run, evaluation included, from ``result.json``) and a calibrator's own
 time (``seconds`` of the ``<calibrator>_report.json`` it wrote into its run folder), since the paper's claim is about
-both accuracy and cost.
+both accuracy and cost. Table 12's cells are the mean and the standard deviation (ddof 1) over its seeds of each
+budget's average accuracy, drawn as the paper's Fig. 3 too (``table_12.png``). The runs folder is printed relative to
+the folder the tables are rendered from, or to the home folder, so that a checked-in table names no machine's paths.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from featcal_fusionbench.reporting import portable
+
 from .catalog import TABLES, Catalog, Row
 from .paper import PAPER
+
 
 METRICS = ("accuracy", "spearman_rho", "score")
 
@@ -68,6 +73,36 @@ def row_scores(row: Row, results: Dict[str, dict]) -> Tuple[Dict[str, float], st
     return values, "ok"
 
 
+def budget_scores(row: Row, results: Dict[str, dict],
+                  catalog: Catalog) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """(``n<n>`` -> the average accuracy of each seed's run so far, ``n<n>`` -> each one's calibration seconds)."""
+    averages: Dict[str, List[float]] = {}
+    seconds: Dict[str, List[float]] = {}
+    for run in row.runs:
+        if run.id not in results:
+            continue
+        column = f"n{run.budget[0]}"
+        values = scores(results[run.id]["report"], run.calibrator)
+        average = values.get("average", statistics.fmean(values.values()) if values else None)
+        if average is not None:
+            averages.setdefault(column, []).append(average)
+        cost = calibrator_seconds(catalog, run)
+        if cost is not None:
+            seconds.setdefault(column, []).append(cost)
+    return averages, seconds
+
+
+def calibrator_seconds(catalog: Catalog, run) -> Optional[float]:
+    """The calibrator's own seconds, from the ``<calibrator>_report.json`` it wrote into its run folder (the name
+    every calibrator of this plugin saves its report under: FeatCal's REPORT_NAME, the baselines' report_name;
+    tests/test_reproduce.py holds the two to each other)."""
+    try:
+        report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
+        return float(report["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def row_times(row: Row, results: Dict[str, dict], catalog: Catalog) -> Tuple[Optional[float], Optional[float]]:
     """(wall seconds of the row's runs that have results, the calibrator's own seconds), None where unknown."""
     done = [results[run.id] for run in row.runs if run.id in results]
@@ -75,19 +110,16 @@ def row_times(row: Row, results: Dict[str, dict], catalog: Catalog) -> Tuple[Opt
     run = row.runs[0] if row.runs else None
     if run is None or not run.calibrator or run.id not in results:
         return wall, None
-    # the name every calibrator of this plugin saves its report under (FeatCal's REPORT_NAME, the baselines'
-    # report_name); tests/test_reproduce.py holds the two to each other
-    try:
-        report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
-        return wall, float(report["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return wall, None
+    return wall, calibrator_seconds(catalog, run)
 
 
 @dataclass
 class Cell:
     paper: Optional[float] = None
     ours: Optional[float] = None
+    paper_std: Optional[float] = None  # Table 12: the standard deviation over seeds
+    ours_std: Optional[float] = None
+    seeds: int = 0  # Table 12: how many seeds' runs ``ours`` averages
 
     @property
     def diff(self) -> Optional[float]:
@@ -112,6 +144,7 @@ class RenderRow:
     status: str
     wall_seconds: Optional[float] = None
     calibration_seconds: Optional[float] = None
+    budget_seconds: Dict[str, float] = field(default_factory=dict)  # Table 12: mean calibration seconds per n
 
 
 @dataclass
@@ -131,6 +164,7 @@ class TableModel:
     layout: str
     notes: List[str] = field(default_factory=list)
     has_paper: bool = True
+    seeds: int = 0  # Table 12: seeds per budget
 
 
 def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
@@ -139,8 +173,33 @@ def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
     paper = PAPER[number]
     hub = catalog.world == "hub"
     rows = catalog.rows(number)
-    model = TableModel(number, paper["caption"], catalog.world, str(catalog.runs_dir), [], spec.layout, has_paper=hub)
-    if spec.layout == "settings":
+    model = TableModel(number, paper["caption"], catalog.world, portable(str(catalog.runs_dir)), [], spec.layout,
+                       has_paper=hub)
+    if spec.layout == "budget":
+        model.seeds = len(spec.seeds)
+        group = spec.groups[0]
+        key = group.hub if hub else group.offline
+        columns = [(c, paper["labels"][c]) for c in paper["columns"]]
+        block = Block(catalog.settings[key].title, columns, [])
+        for row in rows:
+            averages, seconds = budget_scores(row, results, catalog)
+            mean_printed = paper["rows"].get(row.paper_key, {}) if hub and row.paper_key else {}
+            std_printed = paper["std"].get(row.paper_key, {}) if hub and row.paper_key else {}
+            cells = {}
+            for c, _ in columns:
+                values = averages.get(c, [])
+                cells[c] = Cell(mean_printed.get(c), statistics.fmean(values) if values else None,
+                                std_printed.get(c), statistics.stdev(values) if len(values) > 1 else None, len(values))
+            done = sum(len(v) for v in averages.values())
+            status = "ok" if done == len(row.runs) else "missing" if not done else "partial"
+            wall = sum(float(results[r.id].get("seconds", 0.0)) for r in row.runs if r.id in results) or None
+            block.rows.append(RenderRow(row.id, row.label, row.method, cells, status, wall, None,
+                                        {c: statistics.fmean(v) for c, v in seconds.items()}))
+        model.blocks.append(block)
+        model.notes.append(f"seeds {', '.join(map(str, spec.seeds))}; each cell: mean +- standard deviation (ddof 1) "
+                           "of the runs' average accuracy over the seeds with a result (a cell from fewer seeds "
+                           "says how many)")
+    elif spec.layout == "settings":
         columns = [(g.key, paper["labels"].get(g.key, g.key)) for g in spec.groups]
         by_method: Dict[str, RenderRow] = {}
         for row in rows:
@@ -192,12 +251,22 @@ def _status_mark(status: str) -> str:
     return {"ok": "", "missing": " (no result)", "partial": " (partial)"}.get(status, " (not run)")
 
 
-def _lines(block: Block, row: RenderRow, has_paper: bool):
-    """(kind, values) lines of one row: paper, ours, diff (ours only offline)."""
+def _with_std(value: Optional[float], std: Optional[float], seeds: int = 0, of: int = 0) -> str:
+    text = _fmt(value)
+    if text and std is not None:
+        text += f" ± {std:.1f}"
+    if text and seeds and seeds < of:
+        text += f" ({seeds} seed{'s' if seeds > 1 else ''})"
+    return text
+
+
+def _lines(block: Block, row: RenderRow, has_paper: bool, seeds: int = 0):
+    """(kind, values) lines of one row: paper, ours, diff (ours only offline). ``seeds``: Table 12's seeds per cell."""
     cols = [c for c, _ in block.columns]
     if has_paper:
-        yield "paper", [_fmt(row.cells[c].paper) for c in cols]
-    yield "ours", [_fmt(row.cells[c].ours) or ("n/a" if row.status.startswith("not run") else "–") for c in cols]
+        yield "paper", [_with_std(row.cells[c].paper, row.cells[c].paper_std) for c in cols]
+    yield "ours", [_with_std(row.cells[c].ours, row.cells[c].ours_std, row.cells[c].seeds, seeds)
+                   or ("n/a" if row.status.startswith("not run") else "–") for c in cols]
     if has_paper:
         yield "diff", [_fmt(row.cells[c].shown_diff, signed=True) for c in cols]
 
@@ -221,7 +290,7 @@ def markdown(model: TableModel) -> str:
         out.append("| Method | | " + " | ".join(label for _, label in block.columns) + " |")
         out.append("|---|---|" + "---:|" * len(block.columns))
         for row in block.rows:
-            for i, (kind, values) in enumerate(_lines(block, row, model.has_paper)):
+            for i, (kind, values) in enumerate(_lines(block, row, model.has_paper, model.seeds)):
                 name = f"{row.label}{_status_mark(row.status)}" if i == 0 else ""
                 out.append(f"| {name} | {kind} | " + " | ".join(values) + " |")
         out.append("")
@@ -232,6 +301,13 @@ def markdown(model: TableModel) -> str:
             out += [f"| {row.id} | {row.wall_seconds:.0f} | "
                     f"{'' if row.calibration_seconds is None else f'{row.calibration_seconds:.1f}'} |"
                     for row in timed]
+            out.append("")
+        if model.layout == "budget" and timed:
+            out += ["Calibration seconds (the calibrator's own report, mean over seeds):", "",
+                    "| Method | " + " | ".join(label for _, label in block.columns) + " |",
+                    "|---|" + "---:|" * len(block.columns)]
+            out += [f"| {row.label} | " + " | ".join(_fmt(row.budget_seconds.get(c)) for c, _ in block.columns)
+                    + " |" for row in timed]
             out.append("")
     if model.notes:
         out += ["Notes:", ""] + [f"- {n}" for n in model.notes] + [""]
@@ -270,17 +346,17 @@ def latex(model: TableModel) -> str:
         out.append("Method & & " + " & ".join(tex_escape(label) for _, label in block.columns) + r" \\")
         out.append(r"\midrule")
         for row in block.rows:
-            for i, (kind, values) in enumerate(_lines(block, row, model.has_paper)):
+            for i, (kind, values) in enumerate(_lines(block, row, model.has_paper, model.seeds)):
                 name = tex_escape(row.label + _status_mark(row.status)) if i == 0 else ""
                 kind_tex = r"$\Delta$" if kind == "diff" else kind
-                cells = (tex_escape(v).replace("–", "--") for v in values)
+                cells = (tex_escape(v).replace("–", "--").replace("±", r"$\pm$") for v in values)
                 out.append(f"{name} & {kind_tex} & " + " & ".join(cells) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
     return "\n".join(out)
 
 
 CSV_FIELDS = ["table", "world", "block", "row", "method", "label", "column", "column_label", "paper", "ours", "diff",
-              "status"]
+              "status", "paper_std", "ours_std", "seeds"]
 
 
 def csv_text(model: TableModel) -> str:
@@ -298,8 +374,39 @@ def csv_text(model: TableModel) -> str:
                     "ours": "" if cell.ours is None else f"{cell.ours:.4f}",
                     "diff": "" if cell.diff is None else f"{cell.diff:+.4f}",
                     "status": row.status,
+                    "paper_std": "" if cell.paper_std is None else f"{cell.paper_std:.1f}",
+                    "ours_std": "" if cell.ours_std is None else f"{cell.ours_std:.4f}",
+                    "seeds": cell.seeds or "",
                 })
     return buffer.getvalue()
+
+
+def plot_budget(model: TableModel, path: Path) -> None:
+    """Table 12 as the paper's Fig. 3: each calibrator's mean accuracy against n, with its seeds' spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for block in model.blocks:
+        for row in block.rows:
+            for kind, style in (("ours", "-o"), ("paper", ":s")):
+                points = [(int(c[1:]), getattr(row.cells[c], kind), getattr(row.cells[c], f"{kind}_std") or 0.0)
+                          for c, _ in block.columns if getattr(row.cells[c], kind) is not None]
+                if points:
+                    ns, means, stds = zip(*points)
+                    ax.errorbar(ns, means, yerr=stds, fmt=style, capsize=3, label=f"TA {row.label} ({kind})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("calibration examples per task (n)")
+    ax.set_ylabel("average accuracy (%)")
+    ax.set_title(f"Table {model.number} ({model.world}): {model.blocks[0].title}", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def write_tables(models: Sequence[TableModel], folder: Path) -> List[Path]:
@@ -312,4 +419,7 @@ def write_tables(models: Sequence[TableModel], folder: Path) -> List[Path]:
             tmp.write_text(text)
             tmp.replace(path)
             written.append(path)
+        if model.layout == "budget":
+            plot_budget(model, folder / f"table_{model.number}.png")
+            written.append(folder / f"table_{model.number}.png")
     return written

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .registry import WORLDS, build_world, is_built, world_path, worlds_dir
+from .registry import WORLDS, build_world, fusion_bench_args, is_built, world_path, worlds_dir
 
 
 def main(argv=None) -> int:
@@ -35,9 +35,7 @@ def main(argv=None) -> int:
         if not is_built(args.name):
             print(f"world {args.name!r} is not built; run: featcal-world build {args.name}", file=sys.stderr)
             return 1
-        world = WORLDS[args.name]
-        config_dir = "" if world.packaged else f"--config-dir {world_path(args.name) / 'config'} "
-        print(f"{config_dir}modelpool={world.modelpool} taskpool={world.taskpool}")
+        print(" ".join(fusion_bench_args(args.name)))
         return 0
     if args.build:
         build_world(args.name)

@@ -7,7 +7,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from .clip_world import CLIP8, CLIP_QUICK, build_clip_world
 from .t5_world import T5_WORLD, build_t5_world
@@ -99,6 +99,15 @@ def build_fingerprint(root: Path) -> Optional[str]:
     """``world_fingerprint`` of the world built at ``root`` (a registered world or a reduced variant)."""
     path = Path(root) / "world.json"
     return hashlib.sha1(path.read_bytes()).hexdigest()[:12] if path.is_file() else None
+
+
+def fusion_bench_args(name: str) -> List[str]:
+    """The `fusion_bench` arguments that select a world's pools. A world whose configs live in its own folder adds
+    that folder by a ``hydra.searchpath`` override rather than ``--config-dir``, which works only before every
+    override: these arguments go anywhere on the command line."""
+    world = get_world(name)
+    search = [] if world.packaged else [f"hydra.searchpath=[file://{world_path(name) / 'config'}]"]
+    return [*search, f"modelpool={world.modelpool}", f"taskpool={world.taskpool}"]
 
 
 def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[str] = None):
