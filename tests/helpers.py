@@ -51,20 +51,27 @@ def tiny_world(num_tasks: int = 2, seed: int = 0, batches: int = 3, batch_size: 
     return base, experts, merged, data
 
 
-def block_module_inputs(model, block_index: int, names: List[str], batches) -> Dict[str, torch.Tensor]:
-    """Inputs of a block's modules over all batches, from HF's own full forward (tokens flattened)."""
-    block = model.vision_model.encoder.layers[block_index]
+def recorded_inputs(block, names: List[str], forward) -> Dict[str, List[torch.Tensor]]:
+    """Inputs of ``block``'s modules ``names``, one tensor per call, while ``forward()`` runs the whole model."""
     modules = dict(block.named_modules())
     collected = {n: [] for n in names}
     handles = [
         modules[n].register_forward_pre_hook(lambda _m, args, n=n: collected[n].append(args[0].detach()))
         for n in names
     ]
-    with torch.no_grad():
-        for x in batches:
-            model(pixel_values=x)
-    for h in handles:
-        h.remove()
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return collected
+
+
+def block_module_inputs(model, block_index: int, names: List[str], batches) -> Dict[str, torch.Tensor]:
+    """Inputs of a block's modules over all batches, from HF's own full forward (tokens flattened)."""
+    block = model.vision_model.encoder.layers[block_index]
+    collected = recorded_inputs(block, names, lambda: [model(pixel_values=x) for x in batches])
     return {n: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).double() for n, v in collected.items()}
 
 
@@ -178,3 +185,79 @@ def compose_pools(modelpool: str, taskpool: str):
         cfg = compose("fabric_model_fusion", overrides=[f"modelpool={modelpool}", f"taskpool={taskpool}"])
     GlobalHydra.instance().clear()
     return cfg.modelpool, cfg.taskpool
+
+
+# ---- tiny decoder-only causal LMs (Llama with grouped-query attention, Mistral, Qwen2, Gemma-2) --------------
+
+CAUSAL_LM_VOCAB = 64
+
+
+def tiny_causal_lm(arch: str, seed: int = 0, layers: int = 2, hidden: int = 32, attn_implementation: str = "sdpa"):
+    """A random ``*ForCausalLM`` of the given architecture: 4 query heads over 2 key/value heads, windows of 4
+    tokens where the architecture has sliding-window layers (Mistral: every layer; Gemma-2: every other)."""
+    import transformers
+
+    common = dict(
+        vocab_size=CAUSAL_LM_VOCAB, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    extra = {
+        "llama": {},
+        "mistral": {"sliding_window": 4},
+        "qwen2": {},
+        "gemma2": {"head_dim": hidden // 4, "sliding_window": 4, "query_pre_attn_scalar": hidden // 4},
+    }[arch]
+    config_cls, model_cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    }[arch]
+    config = getattr(transformers, config_cls)(**common, **extra)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith("norm.weight"):
+                # Random RMSNorm scales start at 1 (Gemma: offsets at 0): spread them so norm updates are testable.
+                p.uniform_(-0.5, 0.5) if arch == "gemma2" else p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):  # Qwen2's q/k/v biases start at 0
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def causal_lm_batch(lengths, seed: int = 0, pad_to: int = 0, left: bool = False, vocab: int = CAUSAL_LM_VOCAB):
+    """Padded ``input_ids`` / ``attention_mask`` rows of the given lengths (pad id 0), and a ``response_mask``
+    marking the second half of every row as the response."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(max(lengths), pad_to)
+    batch = {key: torch.zeros(len(lengths), width, dtype=torch.long) for key in ("input_ids", "attention_mask", "response_mask")}
+    for i, n in enumerate(lengths):
+        span = slice(width - n, width) if left else slice(0, n)
+        batch["input_ids"][i, span] = torch.randint(1, vocab, (n,), generator=g)
+        batch["attention_mask"][i, span] = 1
+        response = torch.zeros(n, dtype=torch.long)
+        response[n // 2:] = 1
+        batch["response_mask"][i, span] = response
+    return batch
+
+
+def tiny_causal_lm_world(arch: str, num_tasks: int = 2, seed: int = 0, batches: int = 2, left: bool = False):
+    base = tiny_causal_lm(arch, seed)
+    experts = {f"task{i}": perturbed(base, 0.05, seed + 10 + i) for i in range(num_tasks)}
+    merged = task_arithmetic(base, list(experts.values()), 0.3)
+    data = {
+        task: [causal_lm_batch([9, 5 + b, 3 + i, 7], seed=100 * i + b, pad_to=10, left=left) for b in range(batches)]
+        for i, task in enumerate(experts)
+    }
+    return base, experts, merged, data
+
+
+def causal_lm_forward(model, batch):
+    """The model's own forward at the positions ``generate`` gives a padded batch."""
+    from featcal_fusionbench.families.causal_lm import position_ids_from_mask
+
+    mask = batch["attention_mask"]
+    return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask))

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from featcal_fusionbench import ProbSurgeryAlgorithm, SurgeryAlgorithm
 from featcal_fusionbench.engine import FeatCalEngine, on_device, plan_blocks
 from featcal_fusionbench.families import family_class_for, family_for, register_family
+from featcal_fusionbench.families.causal_lm import CausalLMFamily
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
 from featcal_fusionbench.families.t5 import T5Family
 from featcal_fusionbench.families.sites import first_tensor
@@ -27,7 +28,7 @@ from featcal_fusionbench.hparams import FeatCalHParams
 from fusion_bench.utils import instantiate
 
 from fused_family import FusedAttentionFamily, tiny_fused
-from helpers import perturbed, task_arithmetic, tiny_t5_world, tiny_world
+from helpers import causal_lm_forward, perturbed, task_arithmetic, tiny_causal_lm_world, tiny_t5_world, tiny_world
 
 TA = {"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3, "inplace": False}
 
@@ -48,10 +49,20 @@ class Case:
     regex: str  # a module_regex that selects some sites but not all
     examples: int  # examples per task in the world's batches
     pools: Optional[Dict[str, str]] = None  # Surgery contract: pool fixture, modelpool and taskpool config keys
+    label: Optional[str] = None  # test id where one family has several cases (one per architecture)
 
     @property
     def id(self) -> str:
-        return self.family.name
+        return self.label or self.family.name
+
+
+def causal_lm_case(arch: str) -> Case:
+    # No pools: the Surgery contract needs a FusionBench CausalLMPool on disk and a causal-LM task pool
+    # with the per-task switch LMHeadSurgery reads; neither exists yet.
+    return Case(
+        CausalLMFamily, lambda: tiny_causal_lm_world(arch, left=arch in ("llama", "gemma2")), causal_lm_forward,
+        r"mlp\.down_proj$|self_attn\.v_proj$", 8, label=f"causal_lm-{arch}",
+    )
 
 
 CASES = [
@@ -64,6 +75,7 @@ CASES = [
         {"fixture": "tiny_t5_pool", "modelpool": "modelpool/Seq2SeqLMPool/tiny_t5.yaml", "taskpool": "taskpool/tiny_t5_text.yaml"},
     ),
     Case(FusedAttentionFamily, fused_world, lambda m, x: m(x), r"attn\.in_proj\.[qv]$|c_fc$", 12),
+    *(causal_lm_case(arch) for arch in ("llama", "mistral", "qwen2", "gemma2")),
 ]
 SURGERY_CASES = [c for c in CASES if c.pools]
 
@@ -107,7 +119,7 @@ def case(request):
 def test_the_family_is_found_for_its_model(case):
     base = case.world()[0]
     assert family_class_for(base) is case.family
-    assert case.family.supports(base) and not any(c.family.supports(base) for c in CASES if c is not case)
+    assert case.family.supports(base) and not any(c.family.supports(base) for c in CASES if c.family is not case.family)
 
 
 def test_the_block_walk_reproduces_the_models_own_forward(case):

@@ -1,0 +1,297 @@
+"""HF decoder-only causal LMs: Llama, Mistral, Qwen2 and Gemma-2 (``*ForCausalLM`` and the bare ``*Model``).
+
+The walk reproduces the decoder's forward one layer at a time, for the positions ``generate`` uses:
+- token embeddings (Gemma-2: times sqrt(hidden_size), rounded to the model's dtype as Gemma-2 does);
+- position ids from the attention mask (``cumsum - 1``, padding at 1: HF's rule in ``generate``), so a
+  left-padded and a right-padded row give their real tokens the same states as the row alone;
+- the rotary embeddings, computed once per batch by the model's own ``rotary_emb``, and the 4-D
+  causal + padding masks built by ``transformers.masking_utils`` exactly as the model's forward builds
+  them: one per attention kind (Gemma-2 and Qwen2 alternate full and sliding-window layers; Mistral
+  uses a sliding-window mask in every layer when its config has a window). Both follow the model's dtype.
+The walk ends at the last layer's output, before the final norm: ``model.norm``, the embeddings and
+``lm_head`` keep the merged model's values.
+
+Sites per layer, in forward order: ``input_layernorm``, ``self_attn.{q,k,v}_proj`` (one shared input;
+Qwen2's q/k/v biases are calibrated when ``calibrate_bias``), ``self_attn.o_proj``,
+``post_attention_layernorm``, (Gemma-2: ``pre_feedforward_layernorm``), ``mlp.{gate,up}_proj`` (shared
+input), ``mlp.down_proj``, (Gemma-2: ``post_feedforward_layernorm``). The RMSNorm scales are solved
+like a LayerNorm affine without a shift. Gemma-2's RMSNorm multiplies by ``1 + weight``: it is handled
+exactly (``OffsetRMSNormSite``): the solver sees the effective scale ``s = 1 + weight`` and writes back
+``weight = s - 1``.
+
+Surgery's and ProbSurgery's maps act on the last hidden state entering ``lm_head`` (after the final
+norm) at every counted position, and are deployed on ``lm_head``'s input (``LMHeadSurgery``), as for T5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from transformers import (
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralForCausalLM,
+    MistralModel,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+from ..baselines.modules import LMHeadSurgery
+from . import register_family
+from .base import FeatureSite, ModelFamily, batch_loader
+from .sites import LinearSite, RMSNormSite, Site
+
+CAUSAL_LM_CLASSES = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM)
+BARE_CLASSES = (LlamaModel, MistralModel, Qwen2Model, Gemma2Model)
+GEMMA_CLASSES = (Gemma2ForCausalLM, Gemma2Model)
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+MASK_BUILDERS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+COUNTED_TOKENS = "counted-tokens"  # the one token-weight profile: non-padding (or response) tokens
+RESPONSE_ONLY = "response_only"
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class OffsetRMSNormSite(RMSNormSite):
+    """Gemma's RMSNorm, ``normalize(x) * (1 + weight)``: the site's scale is ``1 + weight``.
+
+    The scale is read in float64 so that writing a read value back restores the stored weight bit for bit
+    (``(w + 1) - 1`` is exact there for every float32/bf16/fp16 weight not far below 2**-29 in magnitude).
+    """
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight.detach().double() + 1.0
+
+    def write(self, weight=None, bias=None):
+        if bias is not None:
+            raise ValueError("Gemma's RMSNorm has no shift to write")
+        if weight is not None:
+            super().write(weight=weight.double() - 1.0)
+
+
+@dataclass(frozen=True)
+class CausalLMState:
+    """Per-batch metadata of one stream (shared by streams: never mutated)."""
+
+    attention_mask: Tensor  # (B, S) 1 for real tokens
+    token_mask: Tensor  # (B, S) bool: the tokens whose moments count
+    position_ids: Tensor  # (B, S)
+    cache_position: Tensor  # (S,)
+    position_embeddings: Tuple[Tensor, Tensor]  # rotary (cos, sin), in the model's dtype
+    masks: Dict[str, Optional[Tensor]]  # attention kind -> the 4-D mask (None where the model lets SDPA be causal)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """HF's positions for padded batches (``GenerationMixin``): count real tokens; padding gets 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    return model if isinstance(model, BARE_CLASSES) else model.model
+
+
+def attention_kind(layer: nn.Module) -> str:
+    """Which of the model's masks a layer reads, as the model's forward picks it."""
+    kind = getattr(layer, "attention_type", None)  # Gemma-2, Qwen2: per layer from config.layer_types
+    if kind is not None:
+        return kind
+    # Mistral's forward builds one sliding-window mask for every layer when the config has a window; Llama has none.
+    if isinstance(layer, MistralDecoderLayer) and layer.self_attn.config.sliding_window is not None:
+        return SLIDING
+    return FULL
+
+
+class CausalLMFeatureSite(FeatureSite):
+    """The hidden state entering ``lm_head`` (after the final norm) at every counted token."""
+
+    def __init__(self, family: "CausalLMFamily", model: nn.Module):
+        if isinstance(model, BARE_CLASSES):
+            raise TypeError(
+                f"Surgery and ProbSurgery act on lm_head's input; a bare {type(model).__name__} has no lm_head "
+                "(load the *ForCausalLM model)"
+            )
+        self.family = family
+        self.dim = model.config.hidden_size
+
+    def features(self, model: nn.Module, batch: dict) -> Tensor:
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(batch["input_ids"]) if mask is None else mask
+        # The decoder's last_hidden_state is exactly lm_head's input, without the vocabulary-sized logits.
+        hidden = model.model(
+            input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+        ).last_hidden_state
+        return hidden[self.family.counted_tokens(batch, mask)]
+
+    def deploy(self, wrapper: nn.Module) -> nn.Module:
+        return LMHeadSurgery(wrapper)
+
+
+@register_family
+class CausalLMFamily(ModelFamily):
+    """Decoder layers of a Llama / Mistral / Qwen2 / Gemma-2 causal LM; see the module docstring.
+
+    Options:
+        response_only: count only response tokens in every moment (the batch's ``response_mask``, within
+            the attention mask), e.g. the answers of instruction data; by default every non-padding token
+            counts uniformly.
+    """
+
+    name = "causal_lm"
+    options = {RESPONSE_ONLY: False}
+
+    def check_option(self, name, value):
+        if name == RESPONSE_ONLY and not isinstance(value, bool):
+            return f"{RESPONSE_ONLY} must be true or false, got {value!r}"
+        return None
+
+    @property
+    def response_only(self) -> bool:
+        return self.option_values[RESPONSE_ONLY]
+
+    @classmethod
+    def supports(cls, model: nn.Module) -> bool:
+        return isinstance(model, CAUSAL_LM_CLASSES + BARE_CLASSES)
+
+    # ---- the walk ---------------------------------------------------------------------------------
+
+    def blocks(self, model):
+        return list(decoder_of(model).layers)
+
+    def stem_modules(self, model):
+        decoder = decoder_of(model)
+        return [decoder.embed_tokens, decoder.rotary_emb]
+
+    def embed(self, model, inputs: Dict[str, Tensor]) -> Tuple[Tensor, CausalLMState]:
+        decoder = decoder_of(model)
+        input_ids = inputs["input_ids"]
+        attention_mask = inputs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = decoder.embed_tokens(input_ids)
+        cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
+        position_ids = position_ids_from_mask(attention_mask)
+        kinds = {attention_kind(layer) for layer in decoder.layers}
+        masks = {
+            kind: MASK_BUILDERS[kind](
+                config=decoder.config, input_embeds=hidden, attention_mask=attention_mask,
+                cache_position=cache_position, past_key_values=None, position_ids=position_ids,
+            )
+            for kind in sorted(kinds)
+        }
+        rotary = decoder.rotary_emb(hidden, position_ids)
+        if isinstance(model, GEMMA_CLASSES):
+            # After the rotary embeddings, with the normaliser rounded to the model's dtype, as Gemma-2 does.
+            hidden = hidden * torch.tensor(decoder.config.hidden_size**0.5, dtype=hidden.dtype)
+        state = CausalLMState(
+            attention_mask, self.counted_tokens(inputs, attention_mask), position_ids, cache_position, rotary, masks,
+        )
+        return hidden, state
+
+    def run_block(self, block, hidden, meta: CausalLMState):
+        out = block(
+            hidden,
+            attention_mask=meta.masks[attention_kind(block)],
+            position_ids=meta.position_ids,
+            past_key_values=None,
+            use_cache=False,
+            cache_position=meta.cache_position,
+            position_embeddings=meta.position_embeddings,
+        )
+        return out[0] if isinstance(out, tuple) else out  # Gemma-2's layer returns a tuple, the others a tensor
+
+    # ---- sites and tokens -------------------------------------------------------------------------
+
+    def sites(self, block) -> Dict[str, Site]:
+        norm = OffsetRMSNormSite if isinstance(block.input_layernorm, Gemma2RMSNorm) else RMSNormSite
+        gemma = hasattr(block, "pre_feedforward_layernorm")
+        found: Dict[str, Site] = {"input_layernorm": norm(block.input_layernorm)}
+        found.update({f"self_attn.{n}": LinearSite(getattr(block.self_attn, n)) for n in _ATTENTION})
+        found["post_attention_layernorm"] = norm(block.post_attention_layernorm)
+        if gemma:
+            found["pre_feedforward_layernorm"] = norm(block.pre_feedforward_layernorm)
+        found.update({f"mlp.{n}": LinearSite(getattr(block.mlp, n)) for n in _MLP})
+        if gemma:
+            found["post_feedforward_layernorm"] = norm(block.post_feedforward_layernorm)
+        return found
+
+    def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
+        return COUNTED_TOKENS
+
+    def token_weights(self, profile, hidden, meta: CausalLMState) -> Optional[Tensor]:
+        return meta.token_mask.to(torch.float32)
+
+    def valid_token_mask(self, meta: CausalLMState, hidden: Tensor) -> Optional[Tensor]:
+        return meta.attention_mask.bool()
+
+    def counted_tokens(self, inputs: Dict[str, Tensor], attention_mask: Tensor) -> Tensor:
+        """Non-padding tokens, or with ``response_only`` the response tokens among them."""
+        mask = attention_mask.bool()
+        if not self.response_only:
+            return mask
+        if inputs.get("response_mask") is None:
+            raise ValueError(
+                f"family option {RESPONSE_ONLY}=true needs a 'response_mask' in every calibration batch "
+                f"(1 on response tokens); this batch has {sorted(inputs)}"
+            )
+        return mask & inputs["response_mask"].bool()
+
+    # ---- data ---------------------------------------------------------------------------------------
+
+    def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Dict[str, Tensor]]:
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None and "input_ids" not in columns:
+            raise ValueError(
+                f"causal LM calibration examples need pre-tokenized 'input_ids'; the dataset has {columns}"
+            )
+        if self.response_only and columns is not None and "response_mask" not in columns:
+            raise ValueError(
+                f"family option {RESPONSE_ONLY}=true needs a 'response_mask' column; the dataset has {columns}"
+            )
+        pad_id = pad_token_id(modelpool)
+        return batch_loader(dataset, batch_size, shuffle, seed, lambda rows: collate(rows, pad_id))
+
+    def feature_site(self, modelpool, model):
+        return CausalLMFeatureSite(self, model)
+
+
+def pad_token_id(modelpool) -> int:
+    """The pool's tokenizer's pad id, or 0 (padded positions are masked: the id only has to exist)."""
+    load = getattr(modelpool, "load_tokenizer", None)
+    if load is None or getattr(modelpool, "tokenizer", None) is None:  # CausalLMPool's tokenizer config
+        return 0
+    pad = load().pad_token_id
+    return 0 if pad is None else int(pad)
+
+
+def collate(rows: List[Dict[str, Any]], pad_id: int) -> Dict[str, Tensor]:
+    """Right-pad ``input_ids`` (and ``attention_mask`` / ``response_mask`` where the rows have them).
+
+    Columns that are padding in every row at the end are dropped: under causal attention no real token
+    reads a later position, so this is exact.
+    """
+    ids = [torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows]
+    length = max(len(x) for x in ids)
+    batch = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long)}
+    for key in ("attention_mask", "response_mask"):
+        if key == "attention_mask" or all(key in row for row in rows):
+            batch[key] = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, (row, x) in enumerate(zip(rows, ids)):
+        batch["input_ids"][i, : len(x)] = x
+        batch["attention_mask"][i, : len(x)] = torch.as_tensor(row.get("attention_mask", [1] * len(x)))
+        if "response_mask" in batch:
+            batch["response_mask"][i, : len(x)] = torch.as_tensor(row["response_mask"])
+    real = batch["attention_mask"].any(dim=0).nonzero()
+    keep = int(real.max()) + 1 if len(real) else length
+    return {key: value[:, :keep] for key, value in batch.items()}

@@ -1,0 +1,321 @@
+"""FeatCal on tiny decoder-only causal LMs: padding on either side, counted tokens (``response_only``), Gemma's
+``1 + weight`` norms, Qwen2's biases, batching and the Surgery feature site. What every family keeps is in
+test_family_contract.py (run there on Llama, Mistral, Qwen2 and Gemma-2)."""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+
+from featcal_fusionbench.baselines.modules import LMHeadSurgery
+from featcal_fusionbench.engine import FeatCalEngine
+from featcal_fusionbench.families import family_for
+from featcal_fusionbench.families.causal_lm import (
+    CausalLMFamily,
+    OffsetRMSNormSite,
+    collate,
+    position_ids_from_mask,
+)
+from featcal_fusionbench.families.sites import RMSNormSite
+from featcal_fusionbench.hparams import FeatCalHParams
+
+from helpers import (
+    causal_lm_batch, causal_lm_forward, independent_linear_solve, recorded_inputs, tiny_causal_lm, tiny_causal_lm_world,
+)
+
+ARCHS = ("llama", "mistral", "qwen2", "gemma2")
+LINEARS = [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
+
+
+def calibrate(merged, base, experts, data, family_options=None, **overrides):
+    hp = FeatCalHParams(**{"num_calibration_examples": 8, "batch_size": 4, **overrides})
+    engine = FeatCalEngine(CausalLMFamily(**(family_options or {})), hp, "cpu", progress=False)
+    report = engine.run(merged, base, experts, {t: iter(v) for t, v in data.items()})
+    return merged, report
+
+
+def walk(family, model, batch):
+    """The last layer's output, one layer at a time."""
+    with torch.no_grad():
+        hidden, meta = family.embed(model, batch)
+        for block in family.blocks(model):
+            hidden = family.run_block(block, hidden, meta)
+    return hidden, meta
+
+
+def last_layer_output(model, batch):
+    """The model's own last-layer output (before the final norm), from its forward at generate's positions."""
+    captured = []
+    layer = model.model.layers[-1]
+    handle = layer.register_forward_hook(lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        causal_lm_forward(model, batch)
+    handle.remove()
+    return captured[0]
+
+
+# ---- the walk ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_and_right_padding_give_each_token_the_state_of_its_row_alone(arch, attn):
+    """The walk's per-token states on a left- and on a right-padded batch equal the model's own forward on each
+    row without padding (positions from the attention mask; sliding windows of 4 on rows up to 9 long)."""
+    model = tiny_causal_lm(arch, attn_implementation=attn)
+    family = family_for(model)
+    lengths = [9, 4, 7]
+    right, left = (causal_lm_batch(lengths, seed=3, pad_to=11, left=side) for side in (False, True))
+    assert torch.equal(right["input_ids"][right["attention_mask"].bool()], left["input_ids"][left["attention_mask"].bool()])
+    walked = {side: walk(family, model, batch)[0] for side, batch in (("right", right), ("left", left))}
+    for i, n in enumerate(lengths):
+        alone = {"input_ids": right["input_ids"][i : i + 1, :n], "attention_mask": torch.ones(1, n, dtype=torch.long)}
+        expected = last_layer_output(model, alone)[0]
+        torch.testing.assert_close(walked["right"][i, :n], expected, rtol=1e-5, atol=1e-5, msg=f"right, row {i}")
+        torch.testing.assert_close(walked["left"][i, -n:], expected, rtol=1e-5, atol=1e-5, msg=f"left, row {i}")
+    for side, batch in (("right", right), ("left", left)):
+        torch.testing.assert_close(walked[side], last_layer_output(model, batch), rtol=0, atol=0, msg=side)
+
+
+def test_the_bare_decoder_is_walked_like_the_causal_lm():
+    model = tiny_causal_lm("gemma2")
+    batch = causal_lm_batch([6, 3], left=True)
+    assert isinstance(family_for(model.model), CausalLMFamily)
+    torch.testing.assert_close(walk(CausalLMFamily(), model.model, batch)[0], walk(CausalLMFamily(), model, batch)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_masks_and_rotary_embeddings_follow_the_models_dtype(dtype):
+    model = tiny_causal_lm("gemma2", attn_implementation="eager").to(dtype)  # eager: additive float masks
+    hidden, meta = CausalLMFamily().embed(model, causal_lm_batch([5, 3], left=True))
+    assert hidden.dtype == dtype
+    assert all(t.dtype == dtype for t in meta.position_embeddings)
+    assert set(meta.masks) == {"full_attention", "sliding_attention"}
+    assert all(mask.dtype == dtype for mask in meta.masks.values())
+    assert not torch.equal(meta.masks["full_attention"], meta.masks["sliding_attention"])
+
+
+def test_positions_count_real_tokens_on_either_side():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+    assert position_ids_from_mask(mask).tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 1, 1]]
+
+
+# ---- sites: Gemma's 1 + weight, Qwen2's biases --------------------------------------------------------------
+
+
+def test_sites_are_the_projections_and_norms_in_forward_order():
+    llama = CausalLMFamily().sites(tiny_causal_lm("llama").model.layers[0])
+    assert list(llama) == ["input_layernorm", *LINEARS[:4], "post_attention_layernorm", *LINEARS[4:]]
+    assert all(type(llama[n]) is RMSNormSite for n in ("input_layernorm", "post_attention_layernorm"))
+    gemma = CausalLMFamily().sites(tiny_causal_lm("gemma2").model.layers[0])
+    assert list(gemma) == [
+        "input_layernorm", *LINEARS[:4], "post_attention_layernorm", "pre_feedforward_layernorm", *LINEARS[4:],
+        "post_feedforward_layernorm",
+    ]
+    assert all(isinstance(gemma[n], OffsetRMSNormSite) for n in gemma if n.endswith("layernorm"))
+
+
+def test_gemma_norm_sites_read_and_write_the_scale_the_model_applies():
+    """Gemma's RMSNorm computes normalize(x) * (1 + weight): the site's scale is 1 + weight, a solved scale s is
+    stored as s - 1, and reading then writing back is bit-exact in every dtype."""
+    norm = tiny_causal_lm("gemma2").model.layers[0].input_layernorm
+    site = OffsetRMSNormSite(norm)
+    x = torch.randn(3, 5, norm.weight.shape[0])
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), site.normalizer()(x) * site.weight.float())
+        torch.testing.assert_close(site.weight, norm.weight.double() + 1)
+        site.write(weight=torch.full_like(site.weight, 0.25))
+    assert torch.all(norm.weight == -0.75)
+    with pytest.raises(ValueError, match="no shift"):
+        site.write(bias=torch.zeros(1))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        norm = copy.deepcopy(tiny_causal_lm("gemma2").model.layers[1].post_feedforward_layernorm).to(dtype)
+        stored = norm.weight.detach().clone()
+        site = OffsetRMSNormSite(norm)
+        site.write(weight=site.weight)
+        assert torch.equal(norm.weight, stored), dtype
+
+
+def test_qwen2_qkv_biases_are_calibrated_only_with_calibrate_bias():
+    base, experts, merged, data = tiny_causal_lm_world("qwen2")
+    names = [f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv"]
+    original = merged.state_dict()
+    with_bias, _ = calibrate(copy.deepcopy(merged), base, experts, data)
+    without, _ = calibrate(copy.deepcopy(merged), base, experts, data, calibrate_bias=False)
+    for name in names:
+        assert not torch.allclose(with_bias.state_dict()[name], original[name]), name
+        assert torch.equal(without.state_dict()[name], original[name]), name
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(with_bias.state_dict()[name], original[name]), name
+
+
+# ---- which tokens count ---------------------------------------------------------------------------------------
+
+
+def _module_inputs(model, index, names, batches, counted):
+    """One layer's module inputs over all batches from the model's own forward, counted tokens only."""
+    collected = recorded_inputs(model.model.layers[index], names,
+                                lambda: [causal_lm_forward(model, batch) for batch in batches])
+    return {n: torch.cat([x[counted(b)] for x, b in zip(xs, batches)]).double() for n, xs in collected.items()}
+
+
+@pytest.mark.parametrize("response_only", [False, True], ids=["all-tokens", "response-only"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_each_layer_is_solved_on_the_counted_tokens_of_the_calibrated_prefix(arch, response_only):
+    """Layer l's weights, biases and norm scales equal an independent least-squares solve over the counted tokens
+    (non-padding, or response tokens with ``response_only``) that the final model feeds layer l with layer l still
+    merged. Gemma's scales are solved as 1 + weight; left padding (Llama, Gemma-2) and right padding (Qwen2)."""
+    base, experts, merged, data = tiny_causal_lm_world(arch, left=arch != "qwen2")
+    original = copy.deepcopy(merged)
+    lam, rho, alpha = 0.05, 2.0, 0.6
+    calibrated, _ = calibrate(
+        merged, base, experts, data, {"response_only": response_only}, lambda_=lam, rho=rho, alpha=alpha,
+        accumulation_dtype="float64",
+    )
+
+    def counted(batch):
+        mask = batch["attention_mask"].bool()
+        return mask & batch["response_mask"].bool() if response_only else mask
+
+    family = CausalLMFamily()
+    tasks = list(experts)
+    for index in range(2):
+        snapshot = copy.deepcopy(calibrated)
+        snapshot.model.layers[index].load_state_dict(original.model.layers[index].state_dict())
+        norms = [n for n, s in family.sites(original.model.layers[index]).items() if s.kind == "rmsnorm"]
+        x_cal = {t: _module_inputs(snapshot, index, LINEARS + norms, data[t], counted) for t in tasks}
+        x_exp = {t: _module_inputs(experts[t], index, LINEARS, data[t], counted) for t in tasks}
+        sites = {
+            key: family.sites(m.model.layers[index])
+            for key, m in (("merged", original), ("base", base), ("got", calibrated), *experts.items())
+        }
+        for name in LINEARS:
+            def param(key, attr, name=name):
+                return getattr(sites[key][name], attr)
+
+            has_bias = param("merged", "bias") is not None
+            weight, bias = independent_linear_solve(
+                [x_cal[t][name] for t in tasks], [x_exp[t][name] for t in tasks], [param(t, "weight") for t in tasks],
+                [param(t, "bias") for t in tasks] if has_bias else None,
+                rho * param("merged", "weight") + (1 - rho) * param("base", "weight"),
+                rho * param("merged", "bias") + (1 - rho) * param("base", "bias") if has_bias else None,
+                lam, alpha, 1e-8,
+            )
+            msg = f"layer {index} {name}"
+            torch.testing.assert_close(param("got", "weight").double(), weight, rtol=1e-4, atol=1e-5, msg=msg)
+            if has_bias:
+                torch.testing.assert_close(param("got", "bias").double(), bias, rtol=1e-4, atol=1e-5, msg=msg)
+        for name in norms:
+            # Each coordinate: sum_i mean_tokens (g z - g_i z)^2 + lam (g - anchor)^2, in the scale the model applies.
+            eps = sites["merged"][name].module.eps if arch == "gemma2" else sites["merged"][name].module.variance_epsilon
+            applied = {key: sites[key][name].module.weight.double() + (arch == "gemma2") for key in sites}
+            anchor = rho * applied["merged"] + (1 - rho) * applied["base"]
+            zs = {t: x_cal[t][name] / x_cal[t][name].pow(2).mean(-1, keepdim=True).add(eps).sqrt() for t in tasks}
+            q = {t: zs[t].pow(2).mean(0) for t in tasks}
+            expected = (sum(q[t] * applied[t] for t in tasks) + lam * anchor) / (sum(q.values()) + lam)
+            torch.testing.assert_close(applied["got"], expected, rtol=1e-4, atol=1e-5, msg=f"layer {index} {name}")
+
+
+def test_response_only_with_every_token_a_response_is_the_default():
+    base, experts, merged, data = tiny_causal_lm_world("llama")
+    everything = {t: [{**b, "response_mask": b["attention_mask"]} for b in batches] for t, batches in data.items()}
+    default, _ = calibrate(copy.deepcopy(merged), base, experts, data, accumulation_dtype="float64")
+    responses, _ = calibrate(copy.deepcopy(merged), base, experts, everything, {"response_only": True}, accumulation_dtype="float64")
+    only_answers, _ = calibrate(copy.deepcopy(merged), base, experts, data, {"response_only": True}, accumulation_dtype="float64")
+    for (name, p), q, r in zip(default.named_parameters(), responses.parameters(), only_answers.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.allclose(default.model.layers[0].mlp.down_proj.weight, only_answers.model.layers[0].mlp.down_proj.weight)
+
+
+def test_response_only_without_a_response_mask_is_named():
+    base, experts, merged, data = tiny_causal_lm_world("llama")
+    stripped = {t: [{k: v for k, v in b.items() if k != "response_mask"} for b in bs] for t, bs in data.items()}
+    with pytest.raises(ValueError, match="response_only=true needs a 'response_mask'"):
+        calibrate(merged, base, experts, stripped, {"response_only": True})
+    dataset = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+    with pytest.raises(ValueError, match="response_only=true needs a 'response_mask' column"):
+        CausalLMFamily(response_only=True).batches(None, dataset, 2)
+    with pytest.raises(ValueError, match="response_only must be true or false"):
+        CausalLMFamily(response_only="yes")
+
+
+# ---- data --------------------------------------------------------------------------------------------------------
+
+
+class _Tokenizer:
+    pad_token_id = 7
+
+
+class _Pool:
+    tokenizer = "configured"
+
+    def load_tokenizer(self):
+        return _Tokenizer()
+
+
+def test_batches_right_pad_with_the_pools_pad_id_and_drop_trailing_padding():
+    dataset = Dataset.from_dict({
+        "input_ids": [[5, 6, 9, 9], [4, 3, 2], [8]],
+        "attention_mask": [[1, 1, 0, 0], [1, 1, 1], [1]],
+        "response_mask": [[0, 1, 0, 0], [0, 1, 1], [1]],
+        "labels": [[0], [0], [0]],
+    })
+    first, second = CausalLMFamily().batches(_Pool(), dataset, batch_size=2)
+    assert set(first) == {"input_ids", "attention_mask", "response_mask"}
+    assert first["input_ids"].tolist() == [[5, 6, 9], [4, 3, 2]]
+    assert first["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert first["response_mask"].tolist() == [[0, 1, 0], [0, 1, 1]]
+    assert second["input_ids"].tolist() == [[8]]
+    padded = collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}], pad_id=0)
+    assert set(padded) == {"input_ids", "attention_mask"}
+    assert padded["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    unmasked = Dataset.from_dict({"input_ids": [[1, 2], [3]]})
+    assert next(iter(CausalLMFamily().batches(_Pool(), unmasked, 2)))["input_ids"].tolist() == [[1, 2], [3, 7]]
+    with pytest.raises(ValueError, match="need pre-tokenized 'input_ids'"):
+        CausalLMFamily().batches(_Pool(), Dataset.from_dict({"text": ["hi"]}), 2)
+
+
+# ---- Surgery's feature site ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response_only", [False, True], ids=["all-tokens", "response-only"])
+def test_the_feature_site_is_lm_heads_input_at_the_counted_tokens(response_only):
+    model = tiny_causal_lm("qwen2")
+    batch = causal_lm_batch([6, 2, 4], left=True)
+    family = CausalLMFamily(response_only=response_only)
+    site = family.feature_site(None, model)
+    captured = []
+    handle = model.lm_head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    with torch.no_grad():
+        causal_lm_forward(model, batch)
+        features = site.features(model, batch)
+    handle.remove()
+    counted = batch["attention_mask"].bool() & (batch["response_mask"].bool() if response_only else True)
+    assert site.dim == model.config.hidden_size and features.shape == (int(counted.sum()), site.dim)
+    torch.testing.assert_close(features, captured[0][counted])
+    with pytest.raises(TypeError, match="bare Qwen2Model has no lm_head"):
+        family.feature_site(None, model.model)
+
+
+def test_the_feature_site_deploys_on_lm_head():
+    class Maps(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def compute_surgery_features(self, features, task):
+            return features * 0, None, None
+
+    model = tiny_causal_lm("llama")
+    batch = {k: v for k, v in causal_lm_batch([4, 3]).items() if k != "response_mask"}
+    with torch.no_grad():
+        reference = model(**batch).logits
+        deployed = CausalLMFamily().feature_site(None, model).deploy(Maps(model))
+        assert isinstance(deployed, LMHeadSurgery)
+        unchanged = deployed(**batch).logits
+        deployed.active_task = "task0"
+        zeroed = deployed(**batch).logits
+    torch.testing.assert_close(unchanged, reference)
+    torch.testing.assert_close(zeroed, torch.zeros_like(zeroed))
