@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Collection
+
 from torch import nn
 
+log = logging.getLogger(__name__)
 
-def check_same_architecture(reference: nn.Module, model: nn.Module, name: str) -> None:
-    """Raise naming ``name`` when its class, parameter names or shapes differ from the reference."""
+
+def check_same_architecture(reference: nn.Module, model: nn.Module, name: str,
+                            shapes_may_differ: Collection[str] = ()) -> None:
+    """Raise naming ``name`` when its class, parameter names or shapes differ from the reference; a shape of a key in
+    ``shapes_may_differ`` (what the model's family never calibrates) may differ, and is logged."""
     if type(model) is not type(reference):
         raise ValueError(
             f"{name} is a {type(model).__name__}, but the pretrained model is a {type(reference).__name__}"
@@ -22,7 +29,10 @@ def check_same_architecture(reference: nn.Module, model: nn.Module, name: str) -
             f"unexpected: {extra[:3]}{'...' if len(extra) > 3 else ''})"
         )
     for key, tensor in ref_state.items():
-        if state[key].shape != tensor.shape:
+        if state[key].shape != tensor.shape and key in shapes_may_differ:
+            log.info("%s: %s is %s where the pretrained model has %s; tolerated: it is not calibrated", name, key,
+                     tuple(state[key].shape), tuple(tensor.shape))
+        elif state[key].shape != tensor.shape:
             raise ValueError(
                 f"{name} has a different shape for {key}: {tuple(state[key].shape)} "
                 f"where the pretrained model has {tuple(tensor.shape)}"

@@ -19,6 +19,7 @@ from torch import nn
 
 from .checks import check_same_architecture
 from .data import check_splits
+from .families import family_class_for
 from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
 
@@ -50,10 +51,11 @@ class PostMergingMixin:
         return base, self.load_experts(modelpool, tasks, base)
 
     def load_experts(self, modelpool, tasks, base) -> Dict[str, nn.Module]:
+        tolerated = family_class_for(base).shapes_may_differ(base)
         experts = {}
         for task in tasks:
             experts[task] = modelpool.load_model(task)
-            check_same_architecture(base, experts[task], f"expert {task!r}")
+            check_same_architecture(base, experts[task], f"expert {task!r}", tolerated)
         return experts
 
     def load_merged(self, modelpool, base, experts) -> Tuple[nn.Module, str]:

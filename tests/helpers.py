@@ -192,13 +192,14 @@ def compose_pools(modelpool: str, taskpool: str):
 CAUSAL_LM_VOCAB = 64
 
 
-def tiny_causal_lm(arch: str, seed: int = 0, layers: int = 2, hidden: int = 32, attn_implementation: str = "sdpa"):
+def tiny_causal_lm(arch: str, seed: int = 0, layers: int = 2, hidden: int = 32, attn_implementation: str = "sdpa",
+                   vocab: int = None):
     """A random ``*ForCausalLM`` of the given architecture: 4 query heads over 2 key/value heads, windows of 4
     tokens where the architecture has sliding-window layers (Mistral: every layer; Gemma-2: every other)."""
     import transformers
 
     common = dict(
-        vocab_size=CAUSAL_LM_VOCAB, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
+        vocab_size=vocab or CAUSAL_LM_VOCAB, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
         tie_word_embeddings=False,
     )

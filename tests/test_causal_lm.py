@@ -273,7 +273,7 @@ def test_batches_right_pad_with_the_pools_pad_id_and_drop_trailing_padding():
     assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     unmasked = Dataset.from_dict({"input_ids": [[1, 2], [3]]})
     assert next(iter(CausalLMFamily().batches(_Pool(), unmasked, 2)))["input_ids"].tolist() == [[1, 2], [3, 7]]
-    with pytest.raises(ValueError, match="need pre-tokenized 'input_ids'"):
+    with pytest.raises(ValueError, match="or pre-tokenized 'input_ids'; the dataset has \\['text'\\]"):
         CausalLMFamily().batches(_Pool(), Dataset.from_dict({"text": ["hi"]}), 2)
 
 
@@ -319,3 +319,124 @@ def test_the_feature_site_deploys_on_lm_head():
         zeroed = deployed(**batch).logits
     torch.testing.assert_close(unchanged, reference)
     torch.testing.assert_close(zeroed, torch.zeros_like(zeroed))
+
+
+# ---- text calibration data, experts with other vocabularies, the command line ------------------------------------
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def byte_tokenizer(chat_template=None):
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", [CHAT, None], ids=["chat-template", "plain"])
+def test_text_examples_are_encoded_with_the_response_marked(template):
+    from featcal_fusionbench.families.causal_lm import tokenize_prompt_response
+
+    tokenizer = byte_tokenizer(template)
+    row = tokenize_prompt_response(tokenizer, "2+2?", "4", max_length=64)
+    ids, response = row["input_ids"], row["response_mask"]
+    assert len(ids) == len(response) == len(row["attention_mask"])
+    answer = [i for i, r in zip(ids, response) if r]
+    assert tokenizer.decode(answer) == "4</s>"
+    prompt = tokenizer.decode([i for i, r in zip(ids, response) if not r])
+    assert prompt == ("<user>2+2?</s><assistant>" if template else "2+2?</s>")  # ByT5 ends every text with eos
+    cut = tokenize_prompt_response(tokenizer, "2+2?", "4", max_length=3)
+    assert cut["input_ids"] == ids[:3] and cut["response_mask"] == [0, 0, 0]
+
+
+def test_text_datasets_are_batched_through_the_pools_tokenizer_and_bad_columns_are_named():
+    from datasets import Dataset
+
+    class Pool:
+        tokenizer = "bytes"
+
+        def load_tokenizer(self):
+            return byte_tokenizer(CHAT)
+
+    family = CausalLMFamily(response_only=True, max_length=32)
+    data = Dataset.from_dict({"prompt": ["a", "longer prompt"], "response": ["b", "c"], "label": [0, 1]})
+    (batch,) = list(family.batches(Pool(), data, batch_size=2))
+    # "<user>a</s><assistant>b</s>": 21 tokens, the last two the response; the second row (33) is cut to 32
+    assert batch["input_ids"].shape == (2, 32) and batch["attention_mask"].sum(1).tolist() == [21, 32]
+    assert batch["response_mask"].sum(1).tolist() == [2, 1]
+    with pytest.raises(ValueError, match="'prompt' and 'response' text or pre-tokenized 'input_ids'"):
+        family.batches(Pool(), Dataset.from_dict({"text": ["x"]}), 1)
+    with pytest.raises(ValueError, match="max_length must be an integer of at least 2"):
+        CausalLMFamily(max_length=1)
+
+
+def test_fields_of_any_dataset_become_prompt_and_response():
+    from datasets import Dataset
+
+    from featcal_fusionbench.text_data import prompt_response
+
+    rows = Dataset.from_dict({"instruction": ["Add", "Sort"], "input": ["1 and 2", ""], "output": ["3", "ok"]})
+    pairs = prompt_response(rows, ["instruction", "input"], "output")
+    assert pairs.column_names == ["prompt", "response"]
+    assert pairs[0] == {"prompt": "Add\n\n1 and 2", "response": "3"} and pairs[1]["prompt"] == "Sort"
+    with pytest.raises(ValueError, match=r"no field\(s\) \['query'\]"):
+        prompt_response(rows, "query", "output")
+
+
+def test_an_expert_with_a_larger_vocabulary_is_tolerated_and_another_shape_is_not():
+    from featcal_fusionbench.post_merging import PostMergingMixin
+
+    base = tiny_causal_lm("llama")
+    wider = tiny_causal_lm("llama", seed=1, vocab=80)  # MergeBench's experts: more rows than their base
+    class Pool:
+        def load_model(self, name):
+            return {"wider": wider, "other": tiny_causal_lm("llama", seed=2, hidden=48)}[name]
+
+    assert PostMergingMixin().load_experts(Pool(), ["wider"], base)["wider"] is wider
+    with pytest.raises(ValueError, match="different shape for model.layers.0"):
+        PostMergingMixin().load_experts(Pool(), ["other"], base)
+
+
+def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tmp_path):
+    """`fusion_bench method=featcal/causal_lm_ta` on a CausalLMPool on disk: Task Arithmetic over the layers only
+    (merge_backbone), the examples encoded with the tokenizer's chat template, the calibrated model saved."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from helpers import perturbed
+
+    base = tiny_causal_lm("llama", vocab=384)
+    base.save_pretrained(tmp_path / "base")
+    byte_tokenizer(CHAT).save_pretrained(tmp_path / "base")
+    pool = {"_target_": "fusion_bench.modelpool.CausalLMPool", "tokenizer": str(tmp_path / "base"),
+            "models": {"_pretrained_": str(tmp_path / "base")}, "train_datasets": {}}
+    for i, task in enumerate(("math", "coding")):
+        perturbed(base, 0.05, 10 + i).save_pretrained(tmp_path / task)
+        pool["models"][task] = str(tmp_path / task)
+        Dataset.from_dict({"prompt": [f"{task} question {k}" for k in range(12)],
+                           "response": [f"answer {k * (i + 2)}" for k in range(12)]}).save_to_disk(tmp_path / f"{task}_data")
+        pool["train_datasets"][task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(tmp_path / f"{task}_data")}
+    (tmp_path / "config" / "modelpool").mkdir(parents=True)
+    (tmp_path / "config" / "modelpool" / "tiny_llama.yaml").write_text(yaml.safe_dump(pool))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([
+        str(__import__("pathlib").Path(sys.executable).with_name("fusion_bench")), "method=featcal/causal_lm_ta",
+        "method.num_calibration_examples=8", "method.batch_size=4", f"hydra.searchpath=[file://{tmp_path / 'config'}]",
+        "modelpool=tiny_llama", "taskpool=dummy", f"path.log_dir={tmp_path / 'log'}",
+        f"merged_model_save_path={tmp_path / 'calibrated'}",
+    ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "log" / "featcal_report.json").read_text())
+    assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM" and len(report["blocks"]) == 2
+    calibrated = AutoModelForCausalLM.from_pretrained(tmp_path / "calibrated")
+    state, base_state = calibrated.state_dict(), base.state_dict()
+    assert torch.equal(state["model.embed_tokens.weight"], base_state["model.embed_tokens.weight"])  # backbone only
+    assert not torch.allclose(state["model.layers.1.mlp.down_proj.weight"], base_state["model.layers.1.mlp.down_proj.weight"])

@@ -55,19 +55,29 @@ POOLS = {
     "flan_t5_large": ["modelpool=Seq2SeqLMPool/flan-t5-large_glue_lora16", "taskpool=flan-t5_glue_text_generation_average"],
 }
 GLUE_TASKS = [f"glue-{t}" for t in ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb")]
+POOLS["mergebench_llama3.2_3b"] = ["modelpool=CausalLMPool/mergebench_table4/Llama-3.2-3B-Instruct", "taskpool=dummy"]
+POOLS["mergebench_llama3.1_8b"] = ["modelpool=CausalLMPool/mergebench_table4/Llama-3.1-8B-Instruct", "taskpool=dummy"]
+POOLS["causal_lm"] = POOLS["mergebench_llama3.2_3b"]
+TABLE4_TASKS = ["coding", "instruction", "math"]
 
 
 def family(name):
     setting = name.split("/")[-1]
-    return "flan_t5_large" if setting.startswith("flan_t5_large") else "flan_t5" if setting.startswith("flan_t5") else "clip"
+    for prefix in ("flan_t5_large", "flan_t5", "mergebench_llama3.2_3b", "mergebench_llama3.1_8b", "causal_lm"):
+        if setting.startswith(prefix):
+            return prefix
+    return "clip"
 
 
 def compose_method(name):
     cfg = compose("fabric_model_fusion", overrides=[f"method={name}", *POOLS[family(name)]])
-    if family(name) != "clip":  # the pools name their experts as the calibration datasets do
+    if family(name).startswith("flan_t5"):  # the pools name their experts as the calibration datasets do
         assert sorted(cfg.modelpool.models) == ["_pretrained_", *GLUE_TASKS]
         assert sorted(cfg.method.calibration_datasets) == GLUE_TASKS
         assert sorted(cfg.taskpool.test_datasets) == GLUE_TASKS
+    if family(name).startswith("mergebench"):  # Table 4's three experts, each with its calibration dataset
+        assert sorted(cfg.modelpool.models) == ["_pretrained_", *TABLE4_TASKS]
+        assert set(TABLE4_TASKS) <= set(cfg.method.calibration_datasets)
     method = OmegaConf.to_container(cfg.method, resolve=True)
     assert method["upstream"]["_target_"].startswith("fusion_bench.method.")
     assert method["num_calibration_examples"] == 256
@@ -94,7 +104,10 @@ def test_every_featcal_config_composes_with_the_paper_settings(fusion_bench_conf
     demo = {"lambda_": 0.05, "rho": 2.2, "alpha": 0.25, "family_options": {"last_block_patch_token_weight": 0.01}}
     flan_t5 = {"lambda_": 1e-5, "rho": 2.0, "alpha": 0.6, "calibrate_bias": True, "calibrate_layernorm": False,
                "family_options": {}}
-    expected = demo if name.endswith("_demo") else paper if family(name) == "clip" else flan_t5
+    llm = {"rho": 0.5, "alpha": 0.15, "family_options": {}}  # Sec. 5.1; lambda per model
+    expected = (demo if name.endswith("_demo") else paper if family(name) == "clip"
+                else {**llm, "lambda_": 3.0} if family(name) == "mergebench_llama3.1_8b"
+                else {**llm, "lambda_": 1e-5} if family(name) in ("mergebench_llama3.2_3b", "causal_lm") else flan_t5)
     assert {k: method[k] for k in expected} == expected
 
 

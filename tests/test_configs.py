@@ -43,10 +43,13 @@ def method():
 
 
 def upstream_setting(name):
-    """featcal/clip_wudi -> wudi; featcal/flan_t5_ta -> task_arithmetic; the bases -> task_arithmetic."""
+    """featcal/clip_wudi -> wudi; featcal/flan_t5_ta -> task_arithmetic; featcal/causal_lm_ta and the MergeBench
+    configs -> task_arithmetic_causallm; the bases -> task_arithmetic."""
     if "/" not in name:
         return "task_arithmetic"
     setting = name.split("/", 1)[1]
+    if setting.startswith(("causal_lm", "mergebench")):
+        return "task_arithmetic_causallm"
     setting = setting.split("_", 1)[1] if setting.startswith("clip_") else "ta"  # flan_t5*_ta
     return UPSTREAM_OF_SETTING[setting]
 
@@ -66,12 +69,13 @@ def constructor_parameters(target):
 
 
 def test_the_configs_are_the_expected_ones():
-    assert UPSTREAMS == ["adamerging_clip", "simple_average", "task_arithmetic", "wudi"]
+    assert UPSTREAMS == ["adamerging_clip", "simple_average", "task_arithmetic", "task_arithmetic_causallm", "wudi"]
     for family in ("featcal", "surgery", "probsurgery"):
         assert family in METHOD_CONFIGS
         for setting in ("clip_ta", "clip_simple_average", "clip_adamerging", "clip_wudi", "flan_t5_ta"):
             assert f"{family}/{setting}" in METHOD_CONFIGS
-    assert {"featcal/clip_ta_demo", "featcal/flan_t5_large_ta"} <= set(METHOD_CONFIGS)
+    assert {"featcal/clip_ta_demo", "featcal/flan_t5_large_ta", "featcal/causal_lm_ta", "featcal/mergebench_llama3.2_3b_ta",
+            "featcal/mergebench_llama3.1_8b_ta"} <= set(METHOD_CONFIGS)
 
 
 @pytest.mark.parametrize("name", CALIBRATORS)
@@ -83,7 +87,7 @@ def test_every_method_config_composes_with_its_own_upstream_replaced_not_merged(
     assert upstream["_target_"].startswith("fusion_bench.method.")
     # exactly the upstream config of its setting: no key of the base's Task Arithmetic left behind
     assert upstream == method(f"upstream/{upstream_setting(name)}")
-    if upstream_setting(name) != "task_arithmetic":
+    if not upstream_setting(name).startswith("task_arithmetic"):
         assert not TA_ONLY_KEYS & set(upstream)
     # every key is a constructor argument
     unknown = set(cfg) - {"_target_"} - set(constructor_parameters(target))
@@ -95,7 +99,7 @@ def test_every_method_config_composes_with_its_own_upstream_replaced_not_merged(
 def test_every_upstream_is_a_fusion_bench_method_of_its_own(method, name):
     cfg = method(f"upstream/{name}")
     assert cfg["_target_"].startswith("fusion_bench.method.")
-    assert (name == "task_arithmetic") == bool(TA_ONLY_KEYS & set(cfg))
+    assert name.startswith("task_arithmetic") == bool(TA_ONLY_KEYS & set(cfg))
 
 
 def test_the_shared_baseline_keys_are_abstract_alone(method):
@@ -137,7 +141,8 @@ def test_each_upstream_and_each_default_is_written_once():
         assert "upstream" not in own, f"{name} writes its upstream out: use the method/upstream group"
         if "/" in name:  # a variant: composes from its base and restates none of its values
             family = name.split("/")[0]
-            assert f"/method/{BASES[family]}@_here_" in own["defaults"] or name == "featcal/flan_t5_large_ta", name
+            bases = {f"/method/{BASES[family]}@_here_", "/method/featcal/flan_t5_ta@_here_", "/method/featcal/causal_lm_ta@_here_"}
+            assert bases & {d for d in own["defaults"] if isinstance(d, str)}, name
 
 
 def test_variants_state_only_what_differs_from_their_base(method):

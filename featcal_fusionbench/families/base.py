@@ -97,6 +97,12 @@ class ModelFamily(ABC):
     # ---- which models -------------------------------------------------------------------------
 
     @classmethod
+    def shapes_may_differ(cls, model: nn.Module) -> Tuple[str, ...]:
+        """State-dict keys whose shapes may differ between the base and an expert: parameters the family never
+        calibrates and that each model only reads in its own forward (e.g. an expert's larger vocabulary)."""
+        return ()
+
+    @classmethod
     @abstractmethod
     def supports(cls, model: nn.Module) -> bool:
         """Whether this family knows the model's class."""

@@ -57,6 +57,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_BUILDERS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 COUNTED_TOKENS = "counted-tokens"  # the one token-weight profile: non-padding (or response) tokens
 RESPONSE_ONLY = "response_only"
+MAX_LENGTH = "max_length"
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -146,14 +147,17 @@ class CausalLMFamily(ModelFamily):
         response_only: count only response tokens in every moment (the batch's ``response_mask``, within
             the attention mask), e.g. the answers of instruction data; by default every non-padding token
             counts uniformly.
+        max_length: tokens kept of an example given as ``prompt`` / ``response`` text (cut at the end).
     """
 
     name = "causal_lm"
-    options = {RESPONSE_ONLY: False}
+    options = {RESPONSE_ONLY: False, MAX_LENGTH: 1024}
 
     def check_option(self, name, value):
         if name == RESPONSE_ONLY and not isinstance(value, bool):
             return f"{RESPONSE_ONLY} must be true or false, got {value!r}"
+        if name == MAX_LENGTH and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+            return f"{MAX_LENGTH} must be an integer of at least 2, got {value!r}"
         return None
 
     @property
@@ -163,6 +167,12 @@ class CausalLMFamily(ModelFamily):
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
         return isinstance(model, CAUSAL_LM_CLASSES + BARE_CLASSES)
+
+    @classmethod
+    def shapes_may_differ(cls, model: nn.Module) -> Tuple[str, ...]:
+        # MergeBench's Llama-3.2-3B experts have 64 more vocabulary rows than their base (FusionBench issue #215);
+        # each model embeds its own tokens, and neither table is calibrated
+        return tuple(k for k in model.state_dict() if k.endswith("embed_tokens.weight") or k == "lm_head.weight")
 
     # ---- the walk ---------------------------------------------------------------------------------
 
@@ -251,28 +261,71 @@ class CausalLMFamily(ModelFamily):
 
     def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Dict[str, Tensor]]:
         columns = getattr(dataset, "column_names", None)
-        if columns is not None and "input_ids" not in columns:
+        text = columns is not None and {"prompt", "response"} <= set(columns) and "input_ids" not in columns
+        if columns is not None and "input_ids" not in columns and not text:
             raise ValueError(
-                f"causal LM calibration examples need pre-tokenized 'input_ids'; the dataset has {columns}"
+                "causal LM calibration examples need 'prompt' and 'response' text or pre-tokenized 'input_ids'; "
+                f"the dataset has {columns}"
             )
-        if self.response_only and columns is not None and "response_mask" not in columns:
+        if self.response_only and columns is not None and not text and "response_mask" not in columns:
             raise ValueError(
                 f"family option {RESPONSE_ONLY}=true needs a 'response_mask' column; the dataset has {columns}"
             )
-        pad_id = pad_token_id(modelpool)
-        return batch_loader(dataset, batch_size, shuffle, seed, lambda rows: collate(rows, pad_id))
+        if text:
+            tokenizer = load_tokenizer(modelpool)
+            max_length = int(self.option_values[MAX_LENGTH])
+
+            def encode(rows):
+                return [tokenize_prompt_response(tokenizer, r["prompt"], r["response"], max_length) for r in rows]
+        else:
+            tokenizer, encode = None, list
+        pad_id = pad_token_id(modelpool, tokenizer)
+        return batch_loader(dataset, batch_size, shuffle, seed, lambda rows: collate(encode(rows), pad_id))
 
     def feature_site(self, modelpool, model):
         return CausalLMFeatureSite(self, model)
 
 
-def pad_token_id(modelpool) -> int:
-    """The pool's tokenizer's pad id, or 0 (padded positions are masked: the id only has to exist)."""
+def load_tokenizer(modelpool):
+    """The pool's tokenizer (CausalLMPool's ``tokenizer``); text examples cannot be encoded without one."""
     load = getattr(modelpool, "load_tokenizer", None)
-    if load is None or getattr(modelpool, "tokenizer", None) is None:  # CausalLMPool's tokenizer config
-        return 0
-    pad = load().pad_token_id
+    if load is None or getattr(modelpool, "tokenizer", None) is None:
+        raise ValueError(
+            "calibration examples given as 'prompt' / 'response' text need the model pool's tokenizer "
+            f"(CausalLMPool's `tokenizer`); this {type(modelpool).__name__} has none"
+        )
+    return load()
+
+
+def pad_token_id(modelpool, tokenizer=None) -> int:
+    """The pool's tokenizer's pad id, or 0 (padded positions are masked: the id only has to exist)."""
+    if tokenizer is None:
+        if getattr(modelpool, "load_tokenizer", None) is None or getattr(modelpool, "tokenizer", None) is None:
+            return 0
+        tokenizer = modelpool.load_tokenizer()
+    pad = tokenizer.pad_token_id
     return 0 if pad is None else int(pad)
+
+
+def tokenize_prompt_response(tokenizer, prompt: str, response: str, max_length: int) -> Dict[str, List[int]]:
+    """One example as the model sees it in use: with the tokenizer's chat template (a user turn, then the assistant's
+    answer) when it has one, else the prompt then the response and eos. ``response_mask`` marks the tokens after the
+    prompt (with a template: after the generation prompt that opens the assistant's turn). Cut to ``max_length``."""
+    if getattr(tokenizer, "chat_template", None):
+        user = [{"role": "user", "content": prompt}]
+        head = list(tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True))
+        full = list(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True))
+        if full[: len(head)] != head:
+            raise ValueError("the tokenizer's chat template does not render a conversation's opening as its prefix; "
+                             "give the examples as pre-tokenized input_ids / response_mask instead")
+    else:
+        head = tokenizer(prompt)["input_ids"]
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        full = head + tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+    full = full[:max_length]
+    prompt_length = min(len(head), len(full))
+    return {"input_ids": full, "attention_mask": [1] * len(full),
+            "response_mask": [0] * prompt_length + [1] * (len(full) - prompt_length)}
 
 
 def collate(rows: List[Dict[str, Any]], pad_id: int) -> Dict[str, Tensor]:
