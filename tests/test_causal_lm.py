@@ -399,9 +399,11 @@ def test_an_expert_with_a_larger_vocabulary_is_tolerated_and_another_shape_is_no
         PostMergingMixin().load_experts(Pool(), ["other"], base)
 
 
-def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tmp_path, dtype):
     """`fusion_bench method=featcal/causal_lm_ta` on a CausalLMPool on disk: Task Arithmetic over the layers only
-    (merge_backbone), the examples encoded with the tokenizer's chat template, the calibrated model saved."""
+    (merge_backbone), the examples encoded with the tokenizer's chat template, the calibrated model saved in the
+    pool's dtype (bf16 as MergeBench's pools load their models; the moments stay float32, the solves float64)."""
     import json
     import os
     import subprocess
@@ -417,7 +419,8 @@ def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tmp
     base.save_pretrained(tmp_path / "base")
     byte_tokenizer(CHAT).save_pretrained(tmp_path / "base")
     pool = {"_target_": "fusion_bench.modelpool.CausalLMPool", "tokenizer": str(tmp_path / "base"),
-            "models": {"_pretrained_": str(tmp_path / "base")}, "train_datasets": {}}
+            "models": {"_pretrained_": str(tmp_path / "base")}, "train_datasets": {},
+            "model_kwargs": {"torch_dtype": dtype}}
     for i, task in enumerate(("math", "coding")):
         perturbed(base, 0.05, 10 + i).save_pretrained(tmp_path / task)
         pool["models"][task] = str(tmp_path / task)
@@ -436,7 +439,10 @@ def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tmp
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "log" / "featcal_report.json").read_text())
     assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM" and len(report["blocks"]) == 2
-    calibrated = AutoModelForCausalLM.from_pretrained(tmp_path / "calibrated")
-    state, base_state = calibrated.state_dict(), base.state_dict()
+    calibrated = AutoModelForCausalLM.from_pretrained(tmp_path / "calibrated", torch_dtype="auto")
+    assert calibrated.dtype == getattr(torch, dtype)
+    assert all(torch.isfinite(p).all() for p in calibrated.parameters())
+    state = calibrated.float().state_dict()
+    base_state = base.to(getattr(torch, dtype)).float().state_dict()
     assert torch.equal(state["model.embed_tokens.weight"], base_state["model.embed_tokens.weight"])  # backbone only
     assert not torch.allclose(state["model.layers.1.mlp.down_proj.weight"], base_state["model.layers.1.mlp.down_proj.weight"])
