@@ -399,50 +399,80 @@ def test_an_expert_with_a_larger_vocabulary_is_tolerated_and_another_shape_is_no
         PostMergingMixin().load_experts(Pool(), ["other"], base)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_pool(tmp_path_factory):
+    """A CausalLMPool config on disk: a tiny Llama base with a chat-template tokenizer, two experts, and text
+    examples (prompt / response) as each task's train split."""
+    import yaml
+    from datasets import Dataset
+
+    from helpers import perturbed
+
+    root = tmp_path_factory.mktemp("tiny_llama")
+    base = tiny_causal_lm("llama", vocab=384)
+    base.save_pretrained(root / "base")
+    byte_tokenizer(CHAT).save_pretrained(root / "base")
+    pool = {"_target_": "fusion_bench.modelpool.CausalLMPool", "tokenizer": str(root / "base"),
+            "models": {"_pretrained_": str(root / "base")}, "train_datasets": {}}
+    for i, task in enumerate(("math", "coding")):
+        perturbed(base, 0.05, 10 + i).save_pretrained(root / task)
+        pool["models"][task] = str(root / task)
+        Dataset.from_dict({"prompt": [f"{task} question {k}" for k in range(12)],
+                           "response": [f"answer {k * (i + 2)}" for k in range(12)]}).save_to_disk(root / f"{task}_data")
+        pool["train_datasets"][task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(root / f"{task}_data")}
+    (root / "config" / "modelpool").mkdir(parents=True)
+    (root / "config" / "modelpool" / "tiny_llama.yaml").write_text(yaml.safe_dump(pool))
+    return {"root": root, "base": base, "search": f"hydra.searchpath=[file://{root / 'config'}]"}
+
+
+def fusion_bench_run(cwd, *args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([str(Path(sys.executable).with_name("fusion_bench")), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tmp_path, dtype):
+def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tiny_llama_pool, tmp_path, dtype):
     """`fusion_bench method=featcal/causal_lm_ta` on a CausalLMPool on disk: Task Arithmetic over the layers only
     (merge_backbone), the examples encoded with the tokenizer's chat template, the calibrated model saved in the
     pool's dtype (bf16 as MergeBench's pools load their models; the moments stay float32, the solves float64)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    import yaml
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from helpers import perturbed
-
-    base = tiny_causal_lm("llama", vocab=384)
-    base.save_pretrained(tmp_path / "base")
-    byte_tokenizer(CHAT).save_pretrained(tmp_path / "base")
-    pool = {"_target_": "fusion_bench.modelpool.CausalLMPool", "tokenizer": str(tmp_path / "base"),
-            "models": {"_pretrained_": str(tmp_path / "base")}, "train_datasets": {},
-            "model_kwargs": {"torch_dtype": dtype}}
-    for i, task in enumerate(("math", "coding")):
-        perturbed(base, 0.05, 10 + i).save_pretrained(tmp_path / task)
-        pool["models"][task] = str(tmp_path / task)
-        Dataset.from_dict({"prompt": [f"{task} question {k}" for k in range(12)],
-                           "response": [f"answer {k * (i + 2)}" for k in range(12)]}).save_to_disk(tmp_path / f"{task}_data")
-        pool["train_datasets"][task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(tmp_path / f"{task}_data")}
-    (tmp_path / "config" / "modelpool").mkdir(parents=True)
-    (tmp_path / "config" / "modelpool" / "tiny_llama.yaml").write_text(yaml.safe_dump(pool))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run([
-        str(__import__("pathlib").Path(sys.executable).with_name("fusion_bench")), "method=featcal/causal_lm_ta",
-        "method.num_calibration_examples=8", "method.batch_size=4", f"hydra.searchpath=[file://{tmp_path / 'config'}]",
-        "modelpool=tiny_llama", "taskpool=dummy", f"path.log_dir={tmp_path / 'log'}",
-        f"merged_model_save_path={tmp_path / 'calibrated'}",
-    ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    fusion_bench_run(
+        tmp_path, "method=featcal/causal_lm_ta", "method.num_calibration_examples=8", "method.batch_size=4",
+        tiny_llama_pool["search"], "modelpool=tiny_llama", f"+modelpool.model_kwargs.torch_dtype={dtype}",
+        "taskpool=dummy", f"path.log_dir={tmp_path / 'log'}", f"merged_model_save_path={tmp_path / 'calibrated'}",
+    )
     report = json.loads((tmp_path / "log" / "featcal_report.json").read_text())
     assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM" and len(report["blocks"]) == 2
     calibrated = AutoModelForCausalLM.from_pretrained(tmp_path / "calibrated", torch_dtype="auto")
     assert calibrated.dtype == getattr(torch, dtype)
     assert all(torch.isfinite(p).all() for p in calibrated.parameters())
     state = calibrated.float().state_dict()
-    base_state = base.to(getattr(torch, dtype)).float().state_dict()
+    base_state = tiny_llama_pool["base"].to(getattr(torch, dtype)).float().state_dict()
     assert torch.equal(state["model.embed_tokens.weight"], base_state["model.embed_tokens.weight"])  # backbone only
     assert not torch.allclose(state["model.layers.1.mlp.down_proj.weight"], base_state["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("baseline", ["surgery", "probsurgery"])
+def test_the_baselines_train_their_maps_on_lm_heads_input_through_the_cli(tiny_llama_pool, tmp_path, baseline):
+    import json
+
+    fusion_bench_run(
+        tmp_path, f"method={baseline}/causal_lm_ta", "method.num_calibration_examples=8", "method.max_steps=3",
+        "method.batch_size=4", tiny_llama_pool["search"], "modelpool=tiny_llama", "taskpool=dummy",
+        f"path.log_dir={tmp_path}",
+    )
+    report = json.loads((tmp_path / f"{baseline}_report.json").read_text())
+    assert report["features"] == "streamed" and report["max_steps"] == 3
+    assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM"
+    assert set(report["final_loss"]) == {"math", "coding"}  # one map per expert, trained on its text examples
+    assert all(torch.isfinite(torch.tensor(v)) for v in report["final_loss"].values())
