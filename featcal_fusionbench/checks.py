@@ -29,10 +29,12 @@ def check_same_architecture(reference: nn.Module, model: nn.Module, name: str,
             f"unexpected: {extra[:3]}{'...' if len(extra) > 3 else ''})"
         )
     for key, tensor in ref_state.items():
-        if state[key].shape != tensor.shape and key in shapes_may_differ:
+        if state[key].shape == tensor.shape:
+            continue
+        if key in shapes_may_differ:
             log.info("%s: %s is %s where the pretrained model has %s; tolerated: it is not calibrated", name, key,
                      tuple(state[key].shape), tuple(tensor.shape))
-        elif state[key].shape != tensor.shape:
+        else:
             raise ValueError(
                 f"{name} has a different shape for {key}: {tuple(state[key].shape)} "
                 f"where the pretrained model has {tuple(tensor.shape)}"

@@ -29,11 +29,15 @@ def _accuracy_columns(sections: Dict[str, Dict]):
     return columns, tasks
 
 
-def comparison_table(report: Dict, models: List[str] = ("upstream", "featcal")) -> str:
-    """Per-task and average accuracy (%) of several models evaluated in one FusionBench run."""
+def _require_sections(report: Dict, models: Sequence[str], which: str = "the report") -> None:
     missing = [m for m in models if m not in report]
     if missing:
-        raise KeyError(f"the report has no {missing}; run FeatCal with method.return_upstream=true")
+        raise KeyError(f"{which} has no {missing}; run FeatCal with method.return_upstream=true")
+
+
+def comparison_table(report: Dict, models: List[str] = ("upstream", "featcal")) -> str:
+    """Per-task and average accuracy (%) of several models evaluated in one FusionBench run."""
+    _require_sections(report, models)
     columns, tasks = _accuracy_columns({m: report[m] for m in models})
     header = f"| task | {' | '.join(models)} | gain |"
     lines = [header, "|" + "---|" * (len(models) + 2)]
@@ -57,7 +61,9 @@ def portable(text: str) -> str:
     checked-in result names no machine's folders."""
     cwd, home = str(Path.cwd().resolve()), str(Path.home())
     text = "." if text == cwd else text.replace(cwd + os.sep, "")
-    return text.replace(home, "~") if len(home) > 1 else text
+    if len(home) <= 1:
+        return text
+    return "~" if text == home else text.replace(home + os.sep, "~" + os.sep)
 
 
 def result_header(script: str, argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
@@ -98,9 +104,7 @@ def main(argv=None) -> int:
         if seconds is not None:
             print(f"\nFeatCal calibration time: {seconds:.2f} s")
         return 0
-    missing = [m for m in ("upstream", "featcal") if m not in report]
-    if missing:
-        raise KeyError(f"the first report has no {missing}; run FeatCal with method.return_upstream=true")
+    _require_sections(report, ("upstream", "featcal"), "the first report")
     surgery = json.loads(Path(argv[1]).read_text())
     surgery = surgery.get("surgery", surgery)  # with method.return_upstream=true Surgery's model is under "surgery"
     print(method_rows_table([("TA", report["upstream"]), ("TA + FeatCal", report["featcal"]), ("TA + Surgery", surgery)]))

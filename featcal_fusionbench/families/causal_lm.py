@@ -286,21 +286,25 @@ class CausalLMFamily(ModelFamily):
         return CausalLMFeatureSite(self, model)
 
 
+def has_tokenizer(modelpool) -> bool:
+    """Whether the pool names a tokenizer (CausalLMPool's ``tokenizer`` config)."""
+    return getattr(modelpool, "load_tokenizer", None) is not None and getattr(modelpool, "tokenizer", None) is not None
+
+
 def load_tokenizer(modelpool):
-    """The pool's tokenizer (CausalLMPool's ``tokenizer``); text examples cannot be encoded without one."""
-    load = getattr(modelpool, "load_tokenizer", None)
-    if load is None or getattr(modelpool, "tokenizer", None) is None:
+    """The pool's tokenizer; text examples cannot be encoded without one."""
+    if not has_tokenizer(modelpool):
         raise ValueError(
             "calibration examples given as 'prompt' / 'response' text need the model pool's tokenizer "
             f"(CausalLMPool's `tokenizer`); this {type(modelpool).__name__} has none"
         )
-    return load()
+    return modelpool.load_tokenizer()
 
 
 def pad_token_id(modelpool, tokenizer=None) -> int:
     """The pool's tokenizer's pad id, or 0 (padded positions are masked: the id only has to exist)."""
     if tokenizer is None:
-        if getattr(modelpool, "load_tokenizer", None) is None or getattr(modelpool, "tokenizer", None) is None:
+        if not has_tokenizer(modelpool):
             return 0
         tokenizer = modelpool.load_tokenizer()
     pad = tokenizer.pad_token_id
