@@ -11,6 +11,7 @@ import logging
 from typing import Any, Optional, Tuple
 
 from omegaconf import DictConfig
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,10 @@ def load_merged_model(
         loader = getattr(type(reference), "from_pretrained", None)
         if loader is None:
             raise TypeError(f"cannot load a saved {type(reference).__name__}: it has no from_pretrained")
-        return loader(merged_model_path), f"path:{merged_model_path}"
+        # In the base's dtype: from_pretrained's default is float32, which would double a bf16 LLM.
+        dtype = getattr(reference, "dtype", None)
+        merged = loader(merged_model_path, **({"torch_dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
+        return merged, f"path:{merged_model_path}"
     if modelpool.has_merged:
         if upstream is not None:
             log.warning("the pool has `_merged_`: the upstream method config is not run")

@@ -59,3 +59,58 @@ def tiny_t5_pool(tmp_path_factory):
         (config / kind / name).parent.mkdir(parents=True, exist_ok=True)
         (config / kind / f"{name}.yaml").write_text(yaml.safe_dump(content))
     return {"root": root, "config_dir": str(config), "tasks": list(words)}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_pool(tmp_path_factory):
+    """A CausalLMPool config on disk: a tiny Llama base with a chat-template tokenizer, two experts, text examples
+    (prompt / response) as each task's train split, and an lm-eval task pool over two local tasks (a generated
+    answer scored by exact match for `math`, a text's bits per byte for `coding`)."""
+    import json
+
+    import yaml
+    from datasets import Dataset
+
+    from helpers import CHAT, byte_tokenizer, perturbed, tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("tiny_llama")
+    base = tiny_causal_lm("llama", vocab=384)
+    base.save_pretrained(root / "base")
+    byte_tokenizer(CHAT).save_pretrained(root / "base")
+    pool = {"_target_": "fusion_bench.modelpool.CausalLMPool", "_recursive_": False, "tokenizer": str(root / "base"),
+            "models": {"_pretrained_": str(root / "base")}, "train_datasets": {}}
+    for i, task in enumerate(("math", "coding")):
+        perturbed(base, 0.05, 10 + i).save_pretrained(root / task)
+        pool["models"][task] = str(root / task)
+        Dataset.from_dict({"prompt": [f"{task} question {k}" for k in range(12)],
+                           "response": [f"answer {k * (i + 2)}" for k in range(12)]}).save_to_disk(root / f"{task}_data")
+        pool["train_datasets"][task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(root / f"{task}_data")}
+
+    tasks = root / "lm_eval_tasks"
+    tasks.mkdir()
+    rows = {"tiny_sums": [{"question": f"{k}+{k}=", "answer": str(2 * k)} for k in range(6)],
+            "tiny_text": [{"text": f"def f{k}(x): return x * {k}"} for k in range(6)]}
+    for name, docs in rows.items():
+        (tasks / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = {"dataset_path": "json", "test_split": "test"}
+    specs = {
+        "tiny_sums": {"output_type": "generate_until", "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
+                      "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
+                      "metric_list": [{"metric": "exact_match"}]},
+        "tiny_text": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                      "metric_list": [{"metric": "bits_per_byte"}, {"metric": "byte_perplexity"}]},
+    }
+    for name, spec in specs.items():
+        data = {"dataset_kwargs": {"data_files": {"test": str(tasks / f"{name}.jsonl")}}}
+        (tasks / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **common, **data, **spec}))
+    taskpool = {
+        "_target_": "featcal_fusionbench.lm_eval_taskpool.LMEvalTaskPool", "include_path": str(tasks),
+        "tokenizer": str(root / "base"), "batch_size": 4, "apply_chat_template": True,
+        "tasks": {"tiny_sums": {"metric": "exact_match,none", "expert": "math"},
+                  "tiny_text": {"metric": "bits_per_byte,none", "expert": "coding"}},
+    }
+    for kind, name, content in (("modelpool", "tiny_llama", pool), ("taskpool", "LMEvalHarnessTaskPool/tiny_llama", taskpool)):
+        (root / "config" / kind / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "config" / kind / f"{name}.yaml").write_text(yaml.safe_dump(content))
+    return {"root": root, "base": base, "config_dir": str(root / "config"),
+            "search": f"hydra.searchpath=[file://{root / 'config'}]"}

@@ -262,3 +262,15 @@ def causal_lm_forward(model, batch):
 
     mask = batch["attention_mask"]
     return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask))
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def byte_tokenizer(chat_template=None):
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    tokenizer.chat_template = chat_template
+    return tokenizer

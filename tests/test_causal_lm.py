@@ -21,7 +21,8 @@ from featcal_fusionbench.families.sites import RMSNormSite
 from featcal_fusionbench.hparams import FeatCalHParams
 
 from helpers import (
-    causal_lm_batch, causal_lm_forward, independent_linear_solve, recorded_inputs, tiny_causal_lm, tiny_causal_lm_world,
+    CHAT, byte_tokenizer, causal_lm_batch, causal_lm_forward, independent_linear_solve, recorded_inputs, tiny_causal_lm,
+    tiny_causal_lm_world,
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "gemma2")
@@ -323,18 +324,6 @@ def test_the_feature_site_deploys_on_lm_head():
 
 # ---- text calibration data, experts with other vocabularies, the command line ------------------------------------
 
-CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def byte_tokenizer(chat_template=None):
-    from transformers import ByT5Tokenizer
-
-    tokenizer = ByT5Tokenizer()
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
 @pytest.mark.parametrize("template", [CHAT, None], ids=["chat-template", "plain"])
 def test_text_examples_are_encoded_with_the_response_marked(template):
     from featcal_fusionbench.families.causal_lm import tokenize_prompt_response
@@ -399,32 +388,6 @@ def test_an_expert_with_a_larger_vocabulary_is_tolerated_and_another_shape_is_no
         PostMergingMixin().load_experts(Pool(), ["other"], base)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_pool(tmp_path_factory):
-    """A CausalLMPool config on disk: a tiny Llama base with a chat-template tokenizer, two experts, and text
-    examples (prompt / response) as each task's train split."""
-    import yaml
-    from datasets import Dataset
-
-    from helpers import perturbed
-
-    root = tmp_path_factory.mktemp("tiny_llama")
-    base = tiny_causal_lm("llama", vocab=384)
-    base.save_pretrained(root / "base")
-    byte_tokenizer(CHAT).save_pretrained(root / "base")
-    pool = {"_target_": "fusion_bench.modelpool.CausalLMPool", "tokenizer": str(root / "base"),
-            "models": {"_pretrained_": str(root / "base")}, "train_datasets": {}}
-    for i, task in enumerate(("math", "coding")):
-        perturbed(base, 0.05, 10 + i).save_pretrained(root / task)
-        pool["models"][task] = str(root / task)
-        Dataset.from_dict({"prompt": [f"{task} question {k}" for k in range(12)],
-                           "response": [f"answer {k * (i + 2)}" for k in range(12)]}).save_to_disk(root / f"{task}_data")
-        pool["train_datasets"][task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(root / f"{task}_data")}
-    (root / "config" / "modelpool").mkdir(parents=True)
-    (root / "config" / "modelpool" / "tiny_llama.yaml").write_text(yaml.safe_dump(pool))
-    return {"root": root, "base": base, "search": f"hydra.searchpath=[file://{root / 'config'}]"}
-
-
 def fusion_bench_run(cwd, *args):
     import os
     import subprocess
@@ -439,7 +402,8 @@ def fusion_bench_run(cwd, *args):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tiny_llama_pool, tmp_path, dtype):
-    """`fusion_bench method=featcal/causal_lm_ta` on a CausalLMPool on disk: Task Arithmetic over the layers only
+    """`fusion_bench method=featcal/causal_lm_ta` on a CausalLMPool on disk, scored by lm-eval tasks over local
+    files (LMEvalTaskPool): Task Arithmetic over the layers only
     (merge_backbone), the examples encoded with the tokenizer's chat template, the calibrated model saved in the
     pool's dtype (bf16 as MergeBench's pools load their models; the moments stay float32, the solves float64)."""
     import json
@@ -449,8 +413,12 @@ def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tin
     fusion_bench_run(
         tmp_path, "method=featcal/causal_lm_ta", "method.num_calibration_examples=8", "method.batch_size=4",
         tiny_llama_pool["search"], "modelpool=tiny_llama", f"+modelpool.model_kwargs.torch_dtype={dtype}",
-        "taskpool=dummy", f"path.log_dir={tmp_path / 'log'}", f"merged_model_save_path={tmp_path / 'calibrated'}",
+        "taskpool=LMEvalHarnessTaskPool/tiny_llama", f"path.log_dir={tmp_path / 'log'}",
+        f"merged_model_save_path={tmp_path / 'calibrated'}", f"report_save_path={tmp_path / 'scores.json'}",
     )
+    scores = json.loads((tmp_path / "scores.json").read_text())  # lm-eval's scores of the calibrated model
+    assert set(scores) >= {"tiny_sums", "tiny_text", "average"} and 0 <= scores["tiny_sums"]["score"] <= 1
+    assert scores["tiny_text"]["score"] > 0 and (tmp_path / "log" / "lm_eval_results" / "tiny_text.json").is_file()
     report = json.loads((tmp_path / "log" / "featcal_report.json").read_text())
     assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM" and len(report["blocks"]) == 2
     calibrated = AutoModelForCausalLM.from_pretrained(tmp_path / "calibrated", torch_dtype="auto")
@@ -468,11 +436,24 @@ def test_the_baselines_train_their_maps_on_lm_heads_input_through_the_cli(tiny_l
 
     fusion_bench_run(
         tmp_path, f"method={baseline}/causal_lm_ta", "method.num_calibration_examples=8", "method.max_steps=3",
-        "method.batch_size=4", tiny_llama_pool["search"], "modelpool=tiny_llama", "taskpool=dummy",
-        f"path.log_dir={tmp_path}",
+        "method.batch_size=4", tiny_llama_pool["search"], "modelpool=tiny_llama",
+        "taskpool=LMEvalHarnessTaskPool/tiny_llama", f"path.log_dir={tmp_path}", f"report_save_path={tmp_path / 'scores.json'}",
     )
+    scores = json.loads((tmp_path / "scores.json").read_text())  # each task evaluated under its expert's map
+    assert torch.isfinite(torch.tensor(scores["tiny_text"]["score"])) and "average" in scores
     report = json.loads((tmp_path / f"{baseline}_report.json").read_text())
     assert report["features"] == "streamed" and report["max_steps"] == 3
     assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM"
     assert set(report["final_loss"]) == {"math", "coding"}  # one map per expert, trained on its text examples
     assert all(torch.isfinite(torch.tensor(v)) for v in report["final_loss"].values())
+
+
+def test_a_saved_merged_model_is_loaded_in_the_bases_dtype(tmp_path):
+    """`method.merged_model_path` (the reproduction runner's calibrator runs): from_pretrained alone would load a
+    bf16 LLM in float32, twice its memory."""
+    from featcal_fusionbench.upstream import load_merged_model
+
+    base = tiny_causal_lm("llama").to(torch.bfloat16)
+    base.save_pretrained(tmp_path / "merged")
+    merged, source = load_merged_model(type("Pool", (), {"has_merged": False})(), None, str(tmp_path / "merged"), None, base)
+    assert merged.dtype == torch.bfloat16 and source == f"path:{tmp_path / 'merged'}"

@@ -57,11 +57,13 @@ class Case:
 
 
 def causal_lm_case(arch: str) -> Case:
-    # No pools: the Surgery contract needs a FusionBench CausalLMPool on disk and a causal-LM task pool
-    # with the per-task switch LMHeadSurgery reads; neither exists yet.
+    # The Surgery contract runs on Llama, whose pool is on disk with an lm-eval task pool; the other
+    # architectures share its feature site (lm_head's input).
+    pools = {"fixture": "tiny_llama_pool", "modelpool": "modelpool/tiny_llama.yaml",
+             "taskpool": "taskpool/LMEvalHarnessTaskPool/tiny_llama.yaml"}
     return Case(
         CausalLMFamily, lambda: tiny_causal_lm_world(arch, left=arch in ("llama", "gemma2")), causal_lm_forward,
-        r"mlp\.down_proj$|self_attn\.v_proj$", 8, label=f"causal_lm-{arch}",
+        r"mlp\.down_proj$|self_attn\.v_proj$", 8, pools if arch == "llama" else None, label=f"causal_lm-{arch}",
     )
 
 

@@ -131,7 +131,9 @@ def test_one_task_text_pools_keep_only_that_tasks_regression_entry(tmp_path):
 def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp_path):
     catalog = Catalog("hub", tmp_path)
     runs = all_runs(catalog)
-    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26 + 63  # Table 2's runs are App. I's; Table 12 reads Table 1's TA
+    # Table 2's runs are App. I's; Table 12 reads Table 1's TA; Table 4: per model the base, 3 experts, TA and 3
+    # calibrators (its fine-tuned row reads the base's run for ARC-C, which no expert was trained for)
+    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26 + 63 + 2 * 8
     for run in runs.values():
         args = overrides_of(run)
         assert run.command.startswith("fusion_bench method=")
@@ -285,7 +287,8 @@ def check_composed(cfg, run, catalog, upstream_saves):
     setting = catalog.settings[run.setting]
     tasks, _ = catalog.tasks(run.setting)
     method = OmegaConf.to_container(cfg.method, resolve=True)
-    test_tasks = list(cfg.taskpool.test_datasets)
+    # CLIP's and the text task pools list test_datasets; the lm-eval task pool (Table 4) its tasks
+    test_tasks = list(cfg.taskpool.test_datasets if "test_datasets" in cfg.taskpool else cfg.taskpool.tasks)
     if run.kind == "upstream":
         upstream_saves[run.id] = cfg.merged_model_save_path
         assert cfg.merged_model_save_path == str(catalog.run_dir(run.id) / "merged")
@@ -303,8 +306,13 @@ def check_composed(cfg, run, catalog, upstream_saves):
             assert (method["lambda_"], method["rho"], method["alpha"]) == (0.05, 2.0, 0.3)
         if world == "offline" and setting.family == "t5":
             assert method["calibration_datasets"] is None
+        if run.calibrator == "featcal" and setting.family == "causal_lm":  # Sec. 5.1's LLM values
+            lambda_ = {"llama3.2-3b": 1e-5, "llama3.1-8b": 3.0}[run.setting]
+            assert (method["lambda_"], method["rho"], method["alpha"]) == (lambda_, 0.5, 0.15)
+            assert method["upstream"]["merge_backbone"] and method["upstream"]["scaling_factor"] == 0.3
+            assert set(method["calibration_datasets"]) >= {"math", "coding", "instruction"}
     elif run.method == "finetuned":
-        assert test_tasks == [run.task]
+        assert test_tasks == list(run.provides)
         assert cfg.modelpool.models._get_node("_pretrained_")._value() == f"${{.{run.task}}}"
         if world == "hub":  # the expert's own pool entry, resolved (a hub name or its LoRA config)
             models = OmegaConf.to_container(cfg.modelpool.models, resolve=True)
@@ -313,7 +321,13 @@ def check_composed(cfg, run, catalog, upstream_saves):
         assert method["_target_"] == "fusion_bench.method.DummyAlgorithm"
     if run.method != "finetuned":
         assert test_tasks == list(tasks)
-        assert [m for m in cfg.modelpool.models if not m.startswith("_")] == list(tasks)
+        experts = [m for m in cfg.modelpool.models if not m.startswith("_")]
+        if setting.task_experts:  # MergeBench: one expert per domain, several tasks per domain
+            assert set(experts) == {e for e in setting.task_experts.values() if e}
+        else:
+            assert experts == list(tasks)
+    if setting.family == "causal_lm" and run.kind == "upstream":
+        assert method["_target_"] == "fusion_bench.method.TaskArithmeticForCausalLM" and method["merge_backbone"]
     if world == "hub" and setting.family == "clip":
         arch = "large-patch14" if run.setting.startswith("l14") else "base-patch32"
         assert cfg.taskpool.base_model == f"openai/clip-vit-{arch}"
@@ -363,7 +377,8 @@ def test_the_fast_composer_rejects_what_hydra_rejects(composer, tmp_path):
 def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
     catalog = Catalog("hub", tmp_path)
     picks = [catalog.select(["11"], ["adamerging+probsurgery"])[0].runs[0],
-             catalog.select(["3"], ["large/finetuned/glue-cola"])[0].runs[0]]
+             catalog.select(["3"], ["large/finetuned/glue-cola"])[0].runs[0],
+             catalog.select(["4"], ["llama3.1-8b/ta+featcal"])[0].runs[0]]
     env = {**os.environ, **OFFLINE}
     procs = [subprocess.Popen([FUSION_BENCH, *run.args, "--cfg", "job"], cwd=tmp_path, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for run in picks]
@@ -373,6 +388,7 @@ def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
     assert f"merged_model_path: {tmp_path.resolve()}/l14-20/adamerging/merged" in outputs[0]
     assert "base_model: openai/clip-vit-large-patch14" in outputs[0]
     assert "_pretrained_: ${.glue-cola}" in outputs[1]
+    assert "lambda_: 3.0" in outputs[2] and "_target_: featcal_fusionbench.lm_eval_taskpool.LMEvalTaskPool" in outputs[2]
     assert not any(p.name != "outputs" for p in tmp_path.iterdir())  # nothing run, no run folder made
 
 
@@ -544,6 +560,31 @@ def test_renderer_writes_paper_ours_and_diff(tmp_path):
     assert next(r for r in rows if r["row"] == "wudi" and r["column"] == "average")["status"] == "missing"
     written = write_tables([model], tmp_path / "tables")
     assert sorted(p.name for p in written) == ["table_1.csv", "table_1.md", "table_1.tex"]
+
+
+def lm_eval_report(values):
+    """What LMEvalTaskPool returns: each task's metrics with the chosen one as ``score`` (a fraction)."""
+    report = {t: {"score": v / 100, "acc,none": v / 100} for t, v in values.items()}
+    report["average"] = {"score": sum(values.values()) / len(values) / 100}
+    return report
+
+
+def test_table_4s_fine_tuned_row_takes_each_column_from_its_domains_expert_and_arc_c_from_the_base(tmp_path):
+    catalog = Catalog("hub", tmp_path)
+    paper = PAPER["4"]["rows"]["llama3.2-3b/finetuned"]
+    (row,) = catalog.select(["4"], ["llama3.2-3b/finetuned"])
+    assert {r.id: r.provides for r in row.runs} == {
+        "llama3.2-3b/finetuned/math": ("hendrycks_math500", "gsm8k_cot"),
+        "llama3.2-3b/finetuned/coding": ("humaneval_plus", "mbpp_plus"),
+        "llama3.2-3b/finetuned/instruction": ("ifeval",),
+        "llama3.2-3b/pretrained": ("arc_challenge",),
+    }
+    for run in row.runs:
+        write_result(catalog, run, lm_eval_report({c: paper[c] for c in run.provides}))
+    results, _ = collect(catalog, [row])
+    md = markdown(build_table(catalog, "4", results, {}))
+    # the paper prints 64.1; its six cells average 64.07
+    assert "| Fine-tuned (STL) | 64.1 | 64.1 | +0.0 |" in md and "| Fine-tuned (STL) | paper | 49.0 | 80.6 |" in md
 
 
 def test_renderer_offline_has_an_empty_paper_column_and_table_2_pivots_settings(tmp_path):

@@ -12,7 +12,7 @@ Usage:
       --override method.num_calibration_examples=16            # the offline CLIP world, a cheap smoke run
 
 Tables: 1 (CLIP-ViT-B/32, 8 tasks), 2 (extended averages: L/14 8 tasks, B/32 and L/14 on 14 and 20 tasks),
-3 (FLAN-T5-base and -large on GLUE), 7-11 (App. I: the per-task tables behind Table 2), 12 (the sample budget:
+3 (FLAN-T5-base and -large on GLUE), 4 (MergeBench: Llama-3.2-3B and Llama-3.1-8B-Instruct, scored with lm-eval), 7-11 (App. I: the per-task tables behind Table 2), 12 (the sample budget:
 each calibrator after Task Arithmetic at n = 8 ... 512 examples per task, three seeds; also drawn as Fig. 3). Every row is a FusionBench
 run in its own folder under --out: each upstream merger (Simple Averaging, Task Arithmetic, AdaMerging, WUDI) runs
 once, is evaluated, and saves its merged model (AdaMerging also its merging weights); Surgery, ProbSurgery and

@@ -95,6 +95,10 @@ class LMHeadSurgery(nn.Module):
     def model(self) -> nn.Module:
         return self.maps.model
 
+    @property
+    def task_names(self):
+        return list(self.maps.test_datasets)
+
     def _map_features(self, _module, args):
         if self.active_task is None:
             return None

@@ -1,4 +1,4 @@
-"""The paper's Tables 1, 2, 3, App. I (Tables 7-11) and Table 12 as data: every row as one or more `fusion_bench` commands.
+"""The paper's Tables 1, 2, 3, 4, App. I (Tables 7-11) and Table 12 as data: every row as one or more `fusion_bench` commands.
 
 A *setting* is a model pool and a task pool (CLIP-ViT-B/32 on TA8, FLAN-T5-base on GLUE, the offline CLIP world,
 ...). A *run* is one `fusion_bench` command in one setting; its identity ``<setting>/<method>[/<task>]`` names its
@@ -51,6 +51,10 @@ TA8 = ("sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist
 TALL14 = TA8 + ("oxford_flowers102", "pcam", "fer2013", "oxford-iiit-pet", "stl10", "cifar100")
 TALL20 = TALL14 + ("cifar10", "food101", "fashion_mnist", "emnist_letters", "kmnist", "rendered-sst2")
 GLUE = tuple(f"glue-{t}" for t in ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"))
+# Table 4's columns as lm-eval tasks, each with the MergeBench expert of its domain (None: no expert; the paper's
+# fine-tuned row prints the base there), as config/taskpool/LMEvalHarnessTaskPool/mergebench_table4.yaml names them
+MERGEBENCH_EXPERTS = {"hendrycks_math500": "math", "gsm8k_cot": "math", "humaneval_plus": "coding",
+                      "mbpp_plus": "coding", "ifeval": "instruction", "arc_challenge": None}
 
 # FusionBench's own upstream merger configs, with the values the paper's recipes use written out.
 UPSTREAM_METHODS = {
@@ -62,13 +66,17 @@ UPSTREAM_METHODS = {
 # FusionBench's Seq2SeqLMPool saves a state dict (torch.save); this subclass saves with save_pretrained, which
 # is what `method.merged_model_path` loads.
 SEQ2SEQ_SAVING_POOL = "featcal_experiments.reproduce.pools.Seq2SeqLMPoolSavingPretrained"
+# MergeBench's Llama-3.2-3B experts have a larger vocabulary than their base: Task Arithmetic over the layers only.
+CAUSAL_LM_UPSTREAMS = {
+    "ta": ("method=linear/task_arithmetic_for_causallm", "method.scaling_factor=0.3", "method.merge_backbone=true"),
+}
 
 
 @dataclass(frozen=True)
 class Setting:
     key: str
     title: str
-    family: str  # "clip" or "t5"
+    family: str  # "clip", "t5" or "causal_lm"
     modelpool: str
     taskpool: str
     tasks: Tuple[str, ...] = ()
@@ -82,6 +90,10 @@ class Setting:
     offline_env: bool = False  # run with HF_*_OFFLINE=1
     # tasks scored by Spearman's rho: a text task pool cut down to one task must list only that task's, if any
     regression_tasks: Tuple[str, ...] = ()
+    upstream_methods: Optional[Dict[str, Tuple[str, ...]]] = None  # default UPSTREAM_METHODS
+    # task -> the expert that scores it in the fine-tuned row (None: the base), where one expert covers several
+    # tasks (MergeBench's domains); without it, each task's expert is the pool entry of the task's name
+    task_experts: Optional[Dict[str, Optional[str]]] = None
 
     def calibrator_config(self, calibrator: str, upstream: str) -> str:
         return self.calibrator_configs[calibrator].format(u=upstream)
@@ -124,6 +136,13 @@ HUB_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
         tasks=GLUE, calibrator_configs={**T5_CALIBRATORS, "featcal": "featcal/flan_t5_large_ta"},
         regression_tasks=("glue-stsb",),
     ),
+    *(Setting(
+        key=key, title=f"{model}, MergeBench coding / math / instruction experts", family="causal_lm",
+        modelpool=f"CausalLMPool/mergebench_table4/{model}", taskpool="LMEvalHarnessTaskPool/mergebench_table4",
+        tasks=tuple(MERGEBENCH_EXPERTS), task_experts=MERGEBENCH_EXPERTS, upstream_methods=CAUSAL_LM_UPSTREAMS,
+        calibrator_configs={c: f"{c}/mergebench_{config}_{{u}}" for c in CALIBRATORS},
+    ) for key, model, config in (("llama3.2-3b", "Llama-3.2-3B-Instruct", "llama3.2_3b"),
+                                 ("llama3.1-8b", "Llama-3.1-8B-Instruct", "llama3.1_8b"))),
 ]}
 
 OFFLINE_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
@@ -199,6 +218,12 @@ TABLES: Dict[str, TableSpec] = {
          Group("large", "Large", "t5-large", None, f"no offline FLAN-T5-large (LoRA) world; {NO_OFFLINE}")),
         ("pretrained", "finetuned", *_merger_rows(("ta",))),
     ),
+    "4": TableSpec(
+        "4", PAPER["4"]["caption"],
+        tuple(Group(k, HUB_SETTINGS[k].title, k, None, f"no offline world for {HUB_SETTINGS[k].title} yet; {NO_OFFLINE}")
+              for k in ("llama3.2-3b", "llama3.1-8b")),
+        ("pretrained", "finetuned", *_merger_rows(("ta",))),
+    ),
     "7": _single("7", "l14-8", mtl=True, why=f"no offline CLIP-ViT-L/14 world; {NO_OFFLINE}"),
     "8": _single("8", "b32-14", why=f"no offline 14-task world; {NO_OFFLINE}"),
     "9": _single("9", "l14-14", why=f"no offline 14-task CLIP-ViT-L/14 world; {NO_OFFLINE}"),
@@ -249,6 +274,11 @@ class Run:
     saves: Tuple[str, ...] = ()  # outputs, relative to its folder, that later runs read
     offline_env: bool = False
     budget: Optional[Tuple[int, int]] = None  # (n, seed) of a Table 12 run
+    columns: Tuple[str, ...] = ()  # the fine-tuned row's columns this run scores, where not just its task
+
+    @property
+    def provides(self) -> Tuple[str, ...]:
+        return self.columns or ((self.task,) if self.task else ())
 
     @property
     def part(self) -> Optional[str]:
@@ -367,7 +397,8 @@ class Catalog:
         setting = self.settings[key]
         run_id = f"{key}/{upstream}"
         folder = self.run_dir(run_id)
-        head = list(UPSTREAM_METHODS[upstream]) + list(setting.upstream_overrides.get(upstream, ()))
+        head = list((setting.upstream_methods or UPSTREAM_METHODS)[upstream])
+        head += list(setting.upstream_overrides.get(upstream, ()))
         saves = ["merged"]
         if upstream == "adamerging":
             head.append(f"method.save_merging_weights={folder / 'merging_weights.pt'}")
@@ -415,6 +446,25 @@ class Catalog:
                           single_task=bool(setting.single_task_taskpool))
         return Run(run_id, key, "finetuned", "reference", args, task=task, offline_env=setting.offline_env)
 
+    def finetuned_runs(self, key: str) -> Tuple[Run, ...]:
+        """The fine-tuned row: each task's expert alone on its task; with ``task_experts``, each expert alone on
+        the tasks of its domain, and the base on the tasks no expert was trained for."""
+        setting = self.settings[key]
+        if not setting.task_experts:
+            return tuple(self.finetuned_run(key, t) for t in self.tasks(key)[0])
+        runs = []
+        for expert in dict.fromkeys(setting.task_experts.values()):
+            columns = tuple(t for t, e in setting.task_experts.items() if e == expert)
+            if expert is None:
+                runs.append(replace(self.pretrained_run(key), columns=columns))
+                continue
+            run_id = f"{key}/finetuned/{expert}"
+            taskpool = [f"taskpool={setting.taskpool}", *(f"~taskpool.tasks.{t}" for t in setting.task_experts if t not in columns)]
+            args = self._args(setting, run_id, ["method=dummy"], taskpool, [f"modelpool.models._pretrained_=${{.{expert}}}"])
+            runs.append(Run(run_id, key, "finetuned", "reference", args, task=expert, columns=columns,
+                            offline_env=setting.offline_env))
+        return tuple(runs)
+
     # -- rows -------------------------------------------------------------------------------------------------
     def rows(self, table: str) -> List[Row]:
         if table not in TABLES:
@@ -442,7 +492,7 @@ class Catalog:
                     out.append(Row(setting=key, skip=why, **base))
                     continue
                 if method == "finetuned":
-                    runs = tuple(self.finetuned_run(key, t) for t in tasks)
+                    runs = self.finetuned_runs(key)
                 elif method == "pretrained":
                     runs = (self.pretrained_run(key),)
                 elif "+" in method and spec.layout == "budget":

@@ -54,12 +54,12 @@ def row_scores(row: Row, results: Dict[str, dict]) -> Tuple[Dict[str, float], st
         for run in row.runs:
             if run.id in results:
                 got = scores(results[run.id]["report"])
-                if run.task in got:
-                    values[run.task] = got[run.task]
+                values.update({c: got[c] for c in run.provides if c in got})
         if not values:
             return {}, "missing"
-        if len(values) == len(row.runs):
-            values["average"] = statistics.fmean(values[r.task] for r in row.runs)
+        columns = [c for r in row.runs for c in r.provides]
+        if len(values) == len(columns):
+            values["average"] = statistics.fmean(values[c] for c in columns)
             return values, "ok"
         return values, "partial"
     run = row.runs[0]

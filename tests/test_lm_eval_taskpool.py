@@ -1,0 +1,112 @@
+"""The lm-eval task pool: task by task through lm-eval on the model in memory, the chosen metric and the average
+in FusionBench's report, the expert's map active on each task, bad input named before any model is loaded."""
+
+import copy
+import json
+
+import lightning as L
+import pytest
+import torch
+from fusion_bench.utils import instantiate
+from omegaconf import OmegaConf
+
+from featcal_fusionbench.lm_eval_taskpool import LMEvalTaskPool, parse_tasks, task_scores
+
+
+def tiny_taskpool(pool, **overrides):
+    config = OmegaConf.load(f"{pool['config_dir']}/taskpool/LMEvalHarnessTaskPool/tiny_llama.yaml")
+    for key, value in overrides.items():
+        config[key] = value  # replaced, not merged: a smaller `tasks` mapping drops the others
+    taskpool = instantiate(config)
+    taskpool._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+    return taskpool
+
+
+def test_each_task_is_scored_by_its_metric_and_averaged(tiny_llama_pool, tmp_path):
+    taskpool = tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path / "lm_eval"))
+    report = taskpool.evaluate(tiny_llama_pool["base"], name="base")
+    assert report["tiny_sums"]["score"] == report["tiny_sums"]["exact_match,none"]
+    bits = report["tiny_text"]["score"]
+    assert bits == report["tiny_text"]["bits_per_byte,none"] and bits > 0 and torch.isfinite(torch.tensor(bits))
+    assert report["average"]["score"] == pytest.approx((report["tiny_sums"]["score"] + bits) / 2)
+    assert report["model_info"] == {"name": "base"}
+    saved = json.loads((tmp_path / "lm_eval" / "tiny_text.json").read_text())
+    assert saved["results"]["tiny_text"]["bits_per_byte,none"] == bits  # lm-eval's own record beside the report
+
+
+def test_a_per_task_wrapper_sees_the_expert_named_for_each_task(tiny_llama_pool, tmp_path):
+    """What the wrapped model's lm_head is fed during each task's evaluation carries that task's expert."""
+
+    class Spy(torch.nn.Module):
+        is_surgery_model = True
+
+        def __init__(self, model, task_names=("math", "coding")):
+            super().__init__()
+            self.model, self.active_task, self.seen, self.task_names = model, None, [], list(task_names)
+            model.lm_head.register_forward_pre_hook(lambda *_: self.seen.append(self.active_task))
+
+    spy = Spy(copy.deepcopy(tiny_llama_pool["base"]))
+    tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path), tasks={"tiny_sums": {"expert": "math"}}).evaluate(spy)
+    assert spy.seen and set(spy.seen) == {"math"} and spy.active_task is None
+    spy.seen.clear()
+    tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path)).evaluate(spy)
+    assert spy.seen[0] == "math" and spy.seen[-1] == "coding" and set(spy.seen) == {"math", "coding"}
+    switch = spy.seen.index("coding")
+    assert set(spy.seen[switch:]) == {"coding"}  # tasks run one after the other, each under its own expert
+    spy.seen.clear()
+    tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path), tasks={"tiny_sums": {"expert": None}}).evaluate(spy)
+    assert spy.seen and set(spy.seen) == {None}  # a task no expert was trained for: the merged model unchanged
+    with pytest.raises(ValueError, match=r"maps for \['coding', 'math'\], not for the experts \{'tiny_sums': 'tiny_sums'\}"):
+        tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path), tasks=["tiny_sums"]).evaluate(spy)
+
+
+def test_tasks_are_parsed_and_bad_ones_named():
+    assert parse_tasks(["a", "b"]) == {"a": {"metric": None, "expert": "a"}, "b": {"metric": None, "expert": "b"}}
+    assert parse_tasks({"a": {"metric": "acc,none", "expert": None}}) == {"a": {"metric": "acc,none", "expert": None}}
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_tasks({"a": {"metrc": "acc,none"}})
+    with pytest.raises(ValueError, match="non-empty"):
+        parse_tasks([])
+    results = {"results": {"a": {"alias": "a", "acc,none": 0.5, "acc_stderr,none": 0.1}}}
+    assert task_scores(results, "a", "acc,none") == {"acc,none": 0.5, "score": 0.5}
+    with pytest.raises(KeyError, match=r"reports no metric 'acc_norm,none'; it reports \['acc,none'\]"):
+        task_scores(results, "a", "acc_norm,none")
+
+
+def test_unknown_tasks_and_a_missing_task_folder_fail_when_the_pool_is_built(tiny_llama_pool, tmp_path):
+    with pytest.raises(ValueError, match=r"no task\(s\) \['tiny_sumz'\]"):
+        LMEvalTaskPool({"tiny_sumz": {}}, include_path=str(tiny_llama_pool["root"] / "lm_eval_tasks"))
+    with pytest.raises(FileNotFoundError, match="include_path"):
+        LMEvalTaskPool(["tiny_sums"], include_path=str(tmp_path / "absent"))
+
+
+def test_a_missing_lm_eval_is_named_with_the_install_command(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_lm_eval(name, *args, **kwargs):
+        if name == "lm_eval" or name.startswith("lm_eval."):
+            raise ImportError("No module named 'lm_eval'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_lm_eval)
+    with pytest.raises(ImportError, match=r"scripts/setup.sh --llm"):
+        LMEvalTaskPool(["tiny_sums"])
+
+
+def test_table_4s_task_pool_names_lm_eval_tasks_for_the_papers_columns():
+    """Building the pool checks every task name against lm-eval's index (offline: no data is loaded)."""
+    from pathlib import Path
+
+    import featcal_fusionbench_config
+
+    from featcal_experiments.reproduce.paper import PAPER
+
+    path = Path(list(featcal_fusionbench_config.__path__)[0]) / "taskpool" / "LMEvalHarnessTaskPool" / "mergebench_table4.yaml"
+    taskpool = instantiate(OmegaConf.load(path))
+    assert list(taskpool.tasks) == [c for c in PAPER["4"]["columns"] if c != "average"]
+    assert {t: s["expert"] for t, s in taskpool.tasks.items()} == {
+        "hendrycks_math500": "math", "gsm8k_cot": "math", "humaneval_plus": "coding", "mbpp_plus": "coding",
+        "ifeval": "instruction", "arc_challenge": None}
+    assert all(s["metric"] for s in taskpool.tasks.values()) and taskpool.confirm_run_unsafe_code
