@@ -34,7 +34,9 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     calibrated model (same class, keys and shapes as the merged one), or with
     ``return_upstream`` a dict that FusionBench evaluates as two models:
     ``{"upstream": ..., "featcal": ...}``. ``family_options`` go to the model's
-    family (e.g. CLIP's ``last_block_patch_token_weight``).
+    family (e.g. CLIP's ``last_block_patch_token_weight``). ``lazy_loading``:
+    the base and experts are read from their safetensors checkpoints one block
+    at a time, so that only the merged model is held whole.
     """
 
     method_name = "FeatCal"
@@ -58,6 +60,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         track_upstream_drift: bool = False,
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
+        lazy_loading: bool = False,
         last_block_patch_token_weight: Optional[float] = None,
         **kwargs,
     ):
@@ -76,7 +79,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         # Everything that can be wrong with the input is checked before the upstream merge runs.
         tasks = self.check_pool(modelpool)
         with self.profile("load models"):
-            base, experts = self.load_base_and_experts(modelpool, tasks)
+            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading)
             family = family_for(base, self.family_options)
             plan_blocks(family, base, hp)
         with self.profile("load calibration data"):
@@ -111,6 +114,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 "calibration_data": {t: calibration_source(t, "train", self.calibration_datasets) for t in tasks},
                 "device": str(self.fabric.device),
                 "world_size": world_size,
+                "lazy_loading": self.lazy_loading,
                 **peak_memory(self.fabric.device),
             }
         )

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from .capture import capture_inputs, group_shared_inputs
 from .drift import DriftMeter, stream_drift
 from .hparams import FeatCalHParams
+from .lazy_models import is_lazy, materialize, release
 from .families import LINEAR, NORM_KINDS, ModelFamily, Site
 from .moments import LinearInputMoments, NormInputMoments, Reduce, check_finite
 from .solver import (
@@ -51,17 +52,25 @@ LogFn = Callable[[Dict[str, float], int], None]
 
 @contextmanager
 def on_device(modules: Iterable[nn.Module], device: torch.device):
-    """Move modules to ``device`` for the duration of the block, then put them back."""
+    """Move modules to ``device`` for the duration of the block, then put them back; a lazy module (a base or
+    expert read from its checkpoint, ``lazy_models``) is read onto the device and released after."""
     # Once each: a module listed twice (T5's shared embedding) would otherwise record the device as its origin.
     modules = list({id(m): m for m in modules}.values())
-    origins = []
-    for module in modules:
-        first = next(itertools.chain(module.parameters(), module.buffers()), None)
-        origins.append(None if first is None else first.device)
-        module.to(device)
+    origins, read = [], []
     try:
+        for module in modules:
+            if is_lazy(module):
+                read.append(module)
+                materialize(module, device)
+                origins.append(None)
+                continue
+            first = next(itertools.chain(module.parameters(), module.buffers()), None)
+            origins.append(None if first is None else first.device)
+            module.to(device)
         yield
     finally:
+        for module in read:
+            release(module)
         for module, origin in zip(modules, origins):
             if origin is not None:
                 module.to(origin)

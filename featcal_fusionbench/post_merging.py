@@ -20,6 +20,7 @@ from torch import nn
 from .checks import check_same_architecture
 from .data import check_splits
 from .families import family_class_for
+from .lazy_models import load_pool_model_lazily
 from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
 
@@ -46,15 +47,16 @@ class PostMergingMixin:
         check_splits(modelpool, tasks, split, getattr(self, "calibration_datasets", None))
         return tasks
 
-    def load_base_and_experts(self, modelpool, tasks) -> Tuple[nn.Module, Dict[str, nn.Module]]:
-        base = modelpool.load_pretrained_model()
-        return base, self.load_experts(modelpool, tasks, base)
+    def load_base_and_experts(self, modelpool, tasks, lazy: bool = False) -> Tuple[nn.Module, Dict[str, nn.Module]]:
+        """``lazy``: skeletons that read each block from the checkpoint when it is used (``lazy_models``)."""
+        base = load_pool_model_lazily(modelpool, "_pretrained_") if lazy else modelpool.load_pretrained_model()
+        return base, self.load_experts(modelpool, tasks, base, lazy)
 
-    def load_experts(self, modelpool, tasks, base) -> Dict[str, nn.Module]:
+    def load_experts(self, modelpool, tasks, base, lazy: bool = False) -> Dict[str, nn.Module]:
         tolerated = family_class_for(base).shapes_may_differ(base)
         experts = {}
         for task in tasks:
-            experts[task] = modelpool.load_model(task)
+            experts[task] = load_pool_model_lazily(modelpool, task) if lazy else modelpool.load_model(task)
             check_same_architecture(base, experts[task], f"expert {task!r}", tolerated)
         return experts
 

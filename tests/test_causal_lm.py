@@ -457,3 +457,20 @@ def test_a_saved_merged_model_is_loaded_in_the_bases_dtype(tmp_path):
     base.save_pretrained(tmp_path / "merged")
     merged, source = load_merged_model(type("Pool", (), {"has_merged": False})(), None, str(tmp_path / "merged"), None, base)
     assert merged.dtype == torch.bfloat16 and source == f"path:{tmp_path / 'merged'}"
+
+
+def test_lazy_loading_through_the_cli_calibrates_exactly_as_whole_models(tiny_llama_pool, tmp_path):
+    """`method.lazy_loading=true`: the base and experts are read from the pool's safetensors folders one block at a
+    time; the calibrated model is the same, bit for bit."""
+    from safetensors.torch import load_file
+
+    common = ("method=featcal/causal_lm_ta", "method.num_calibration_examples=8", "method.batch_size=4",
+              tiny_llama_pool["search"], "modelpool=tiny_llama", "taskpool=dummy")
+    for lazy in ("false", "true"):
+        fusion_bench_run(tmp_path, *common, f"method.lazy_loading={lazy}", f"path.log_dir={tmp_path / lazy}",
+                         f"merged_model_save_path={tmp_path / lazy / 'calibrated'}")
+    eager, lazily = (load_file(tmp_path / lazy / "calibrated" / "model.safetensors") for lazy in ("false", "true"))
+    assert eager.keys() == lazily.keys() and all(torch.equal(eager[k], lazily[k]) for k in eager)
+    import json
+
+    assert [json.loads((tmp_path / lazy / "featcal_report.json").read_text())["lazy_loading"] for lazy in ("false", "true")] == [False, True]

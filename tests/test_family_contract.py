@@ -255,6 +255,24 @@ def test_bad_family_options_and_selections_are_named(case):
         plan_blocks(case.family(), base, FeatCalHParams(module_regex="nothing_matches"))
 
 
+@pytest.mark.parametrize("lazy_case", [c for c in CASES if c.family is not FusedAttentionFamily], ids=lambda c: c.id)
+def test_base_and_experts_read_block_by_block_from_their_checkpoints_calibrate_the_same(lazy_case, tmp_path):
+    """``lazy_loading``: the base and experts are skeletons that read each block from safetensors when the engine
+    uses it and release it after. (The fused test family is not a transformers model: it has no checkpoint.)"""
+    from featcal_fusionbench.lazy_models import load_lazily
+
+    base, experts, merged, data = lazy_case.world()
+    lazy = {}
+    for name, model in {"base": base, **experts}.items():
+        model.save_pretrained(tmp_path / name)
+        lazy[name] = load_lazily(type(model), tmp_path / name, model.dtype)
+        assert all(p.is_meta for p in lazy[name].parameters())
+    eager, _ = calibrate(lazy_case, copy.deepcopy(merged), base, experts, data)
+    lazily, _ = calibrate(lazy_case, copy.deepcopy(merged), lazy["base"], {t: lazy[t] for t in experts}, data)
+    assert_same_state(lazily, eager)
+    assert all(p.is_meta for m in lazy.values() for p in m.parameters())  # nothing left resident
+
+
 def test_an_unknown_model_and_a_second_family_of_the_same_name_are_refused():
     with pytest.raises(TypeError, match="no model family for Linear; registered families: .*clip_vision"):
         family_for(torch.nn.Linear(2, 2))

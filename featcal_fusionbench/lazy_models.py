@@ -1,0 +1,194 @@
+"""Base and expert models whose weights stay in their checkpoints until a block's turn comes.
+
+FeatCal needs one block of the base and of each expert at a time (plus each expert's stem while its task's inputs
+are embedded), so a *lazy* model is the model's skeleton with its parameters on the meta device, and each module
+knows where its tensors are in the checkpoint (safetensors: one file, or shards with an HF index). The engine's
+residency scope (``engine.on_device``) reads a lazy module's tensors onto the device when it enters and puts them
+back on the meta device when it leaves, so host memory holds the merged model and the blocks in use, not whole
+copies of the base and every expert.
+
+Buffers are built for real (``init_empty_weights(include_buffers=False)``): non-persistent ones such as the rotary
+``inv_freq`` are computed, not stored, and persistent ones are small.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointTensors:
+    """Where each tensor of a safetensors checkpoint folder is, and reading a few of them at a time."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        index = self.folder / SAFETENSORS_INDEX
+        single = self.folder / SAFETENSORS_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {key: self.folder / name for key, name in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                self.files = {key: single for key in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"lazy loading reads safetensors checkpoints: {self.folder} has neither {SAFETENSORS_FILE} nor "
+                f"{SAFETENSORS_INDEX} (a pool entry that is not such a folder is loaded whole with lazy_loading=false)"
+            )
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def read(self, keys: Iterable[str]) -> Dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file = defaultdict(list)
+        for key in keys:
+            by_file[self.files[key]].append(key)
+        out = {}
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as f:  # one shard open at a time
+                out.update({name: f.get_tensor(name) for name in names})
+        return out
+
+
+class _Source:
+    """What a lazy module needs to find its tensors: the checkpoint, its name prefix, and the names under which
+    the checkpoint may hold a tied parameter (``lm_head.weight`` saved as ``model.embed_tokens.weight``)."""
+
+    def __init__(self, tensors: CheckpointTensors, prefix: str, aliases: Mapping[str, List[str]], dtype):
+        self.tensors, self.prefix, self.aliases, self.dtype = tensors, prefix, aliases, dtype
+
+    def key(self, name: str) -> str:
+        full = f"{self.prefix}.{name}" if self.prefix else name
+        for candidate in (full, *self.aliases.get(full, ())):
+            if candidate in self.tensors:
+                return candidate
+        raise KeyError(f"{full} is not in the checkpoint {self.tensors.folder}")
+
+
+def is_lazy(module: nn.Module) -> bool:
+    return getattr(module, "_featcal_source", None) is not None
+
+
+def _meta_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in module.named_parameters() if p.is_meta]
+
+
+def materialize(module: nn.Module, device) -> None:
+    """Read a lazy module's parameters from its checkpoint onto ``device`` (in the model's dtype)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    source: _Source = module._featcal_source
+    names = [name for name, _ in _meta_parameters(module)]
+    keys = {name: source.key(name) for name in names}
+    values = source.tensors.read(set(keys.values()))
+    for name in names:
+        value = values[keys[name]]
+        if not torch.isfinite(value).all():
+            raise ValueError(f"{keys[name]} in {source.tensors.folder} has non-finite values")
+        set_module_tensor_to_device(module, name, device, value=value.to(source.dtype))
+    # buffers follow the module, as a whole model's would
+    for name, buffer in module.named_buffers():
+        set_module_tensor_to_device(module, name, device, value=buffer)
+
+
+def release(module: nn.Module) -> None:
+    """Put a lazy module's parameters back on the meta device (its memory is freed)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in list(module.named_parameters()):
+        set_module_tensor_to_device(module, name, "meta")
+
+
+def load_lazily(model_class, folder, torch_dtype: Optional[Any] = None) -> nn.Module:
+    """``model_class`` (a model class or a transformers Auto class) built from the checkpoint folder's config with
+    no weights read: every module reads its own tensors when a residency scope asks for them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    dtype = _dtype(torch_dtype)
+    tensors = CheckpointTensors(folder)
+    auto = model_class.__name__.startswith("Auto")
+    # a class's own config class reads its part of a larger config (CLIPVisionConfig from a CLIP checkpoint)
+    config = (AutoConfig if auto else model_class.config_class).from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        build = model_class.from_config if auto else model_class._from_config
+        model = build(config, torch_dtype=dtype)
+    model.eval()
+    # a tied parameter has several names; the checkpoint holds one of them
+    names_of = defaultdict(list)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of[id(parameter)].append(name)
+    aliases = {name: [n for n in names if n != name] for names in names_of.values() for name in names}
+    # tied input / output embeddings that the empty skeleton did not tie: the checkpoint holds the input's
+    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        module_names = {id(m): n for n, m in model.named_modules()}
+        output, input_ = (module_names[id(m)] for m in (model.get_output_embeddings(), model.get_input_embeddings()))
+        aliases.setdefault(f"{output}.weight", []).append(f"{input_}.weight")
+    for prefix, module in model.named_modules():
+        module._featcal_source = _Source(tensors, prefix, aliases, dtype)
+    return model
+
+
+# The class each FusionBench pool loads a plain path with (CLIP's pool loads the vision tower of a full CLIP).
+POOL_MODEL_CLASSES = {
+    "CLIPVisionModelPool": "CLIPVisionModel",
+    "CausalLMPool": "AutoModelForCausalLM",
+    "Seq2SeqLMPool": "AutoModelForSeq2SeqLM",
+}
+
+
+def load_pool_model_lazily(modelpool, name: str) -> nn.Module:
+    """The pool's model ``name`` as a lazy model: its entry's path (a string, or a config with
+    ``pretrained_model_name_or_path``), its class (the entry's ``_target_``, else the pool's), its dtype (the
+    entry's or the pool's ``model_kwargs.torch_dtype``). A pool entry that is a live module is refused by name."""
+    import transformers
+    from omegaconf import DictConfig, OmegaConf
+
+    entry = modelpool.get_model_config(name, return_copy=False)
+    if isinstance(entry, nn.Module):
+        raise TypeError(f"lazy loading reads checkpoints; the pool's {name!r} is a live module (set lazy_loading=false)")
+    raw = getattr(modelpool, "model_kwargs", None) or {}
+    kwargs = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
+    class_name = next((c for p, c in POOL_MODEL_CLASSES.items() if any(t.__name__ == p for t in type(modelpool).__mro__)), None)
+    if isinstance(entry, (Mapping, DictConfig)):
+        entry = OmegaConf.to_container(entry, resolve=True) if isinstance(entry, DictConfig) else dict(entry)
+        path = entry.get("pretrained_model_name_or_path")
+        target = entry.get("_target_", "")
+        class_name = target.removesuffix(".from_pretrained").rsplit(".", 1)[-1] or class_name
+        kwargs.update({k: v for k, v in entry.items() if k == "torch_dtype"})
+    else:
+        path = entry
+    if not path or class_name is None or not hasattr(transformers, class_name):
+        raise TypeError(f"lazy loading cannot tell the checkpoint and class of the pool's {name!r} ({entry!r})")
+    return load_lazily(getattr(transformers, class_name), checkpoint_folder(str(path)), kwargs.get("torch_dtype"))
+
+
+def _dtype(torch_dtype) -> torch.dtype:
+    if torch_dtype is None or torch_dtype == "auto":
+        return torch.float32  # what from_pretrained gives without torch_dtype (transformers 4.x)
+    return getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+
+
+def checkpoint_folder(name_or_path: str) -> Path:
+    """A local folder as it is; a hub id downloaded (its config and safetensors only)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+
+
+__all__ = ["CheckpointTensors", "checkpoint_folder", "is_lazy", "load_lazily", "load_pool_model_lazily", "materialize", "release"]
