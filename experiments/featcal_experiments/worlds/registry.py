@@ -63,7 +63,21 @@ WORLDS: Dict[str, World] = {
         taskpool="offline_t5_text_generation",
         packaged=True,
     ),
+    "llm": World(
+        name="llm",
+        description="SmolLM2-135M-Instruct (dequantised GGUF) with math, code and instruction experts, scored by lm-eval tasks",
+        build=lambda root: _build_llm_world(root),
+        modelpool="CausalLMPool/offline_llm",
+        taskpool="LMEvalHarnessTaskPool/offline_llm",
+    ),
 }
+
+
+def _build_llm_world(root: Path) -> dict:
+    # imported when built: the LLM world's modules pull in lm-eval and the causal-LM family
+    from .llm_world import LLM_WORLD, build_llm_world
+
+    return build_llm_world(root, LLM_WORLD)
 
 
 def worlds_dir() -> Path:
