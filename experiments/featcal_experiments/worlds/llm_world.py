@@ -250,7 +250,8 @@ def build_llm_world(root: Path, spec: LLMWorldSpec = LLM_WORLD) -> Dict:
         "figures": figures,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": spec.threads},
-        "configs": configs,
+        # relative: the build runs in a scratch folder that is renamed into place
+        "configs": {k: str(Path(v).relative_to(root)) for k, v in configs.items()},
     }
     (root / "world.json").write_text(json.dumps(meta, indent=2))
     failed = [name for name, ok in figures["regime_checks"].items() if not ok]
