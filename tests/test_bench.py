@@ -28,6 +28,29 @@ def test_two_point_separates_fixed_cost_from_the_per_step_cost():
     assert result["seconds_at_target"] == pytest.approx(502.0)
 
 
+def test_the_llm_memory_bench_runs_both_loading_modes_at_a_tiny_llama_shape(tmp_path):
+    """experiments/scripts/bench_llm_memory.py end to end: sharded checkpoints written once, one process per loading
+    mode, the figures the memory targets are stated in. The lazy and eager modes calibrate the same model."""
+    path = tmp_path / "llm.json"
+    command = [sys.executable, str(REPO / "experiments" / "scripts" / "bench_llm_memory.py"), "--arch", "tiny",
+               "--tasks", "2", "--n", "4", "--seq-len", "16", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
+               "--json", str(path)]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    bench = json.loads(path.read_text())
+    assert bench["command"].startswith("python experiments/scripts/bench_llm_memory.py") and bench["machine"]
+    assert [r["mode"] for r in bench["results"]] == ["lazy", "eager"]
+    for result in bench["results"]:
+        for key in ("seconds", "forward_floor_seconds", "peak_rss_bytes", "model_bytes", "statistics_bytes",
+                    "save_peak_rss_during_bytes"):
+            assert result[key] > 0, key
+        assert result["peak_device_bytes"] is None
+    lazy, eager = bench["results"]
+    assert lazy["last_block_cosine"] == eager["last_block_cosine"]
+    index = json.loads((tmp_path / "ckpt" / "base" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 3  # one shard per decoder layer, one for the rest
+    assert not list((tmp_path / "ckpt").glob("calibrated-*"))  # the saved copies are removed
+
+
 def test_bench_rows_times_every_component_on_a_tiny_model(tmp_path):
     path = tmp_path / "rows.json"
     subprocess.run([sys.executable, str(REPO / "experiments" / "scripts" / "bench_rows.py"), "--settings", "tiny-2", "--n", "4",

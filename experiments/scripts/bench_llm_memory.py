@@ -1,0 +1,240 @@
+"""Memory and time of FeatCal at real LLM shapes: the base and experts whole in memory, or read block by block.
+
+    python experiments/scripts/bench_llm_memory.py --arch llama-3.2-1b-shape --tasks 3 --n 8 --seq-len 256 \
+        --device cpu --json OUT
+
+Checkpoints with the architecture's real shapes and seeded random weights (cost does not depend on the values) are
+written once to ``--workdir``: the base, ``--tasks`` experts (base plus small noise) and their Task Arithmetic merge
+(0.3). They are sharded one decoder layer per file, so that writing them never holds a whole model. Each loading mode
+(``--modes``) then runs in a fresh process, so that the process's peak RSS is that mode's own. A mode process loads
+the merged model whole, as FusionBench evaluates and saves it. It loads the base and experts whole (``eager``) or
+as skeletons that read each block when it is used (``lazy``: ``method.lazy_loading``). It then times the forward
+floor and FeatCal's calibration stage.
+
+The forward floor is the merged model's decoder stack run twice over every task's tokens. That is one pass per
+stream FeatCal advances (calibrated and expert), with nothing read from disk. Written per mode:
+- ``seconds``, ``forward_floor_seconds``;
+- ``peak_rss_bytes``: the process's peak, models included;
+- ``peak_device_bytes``;
+- ``model_bytes``: one model's parameters;
+- ``statistics_bytes``: one task's moments plus a block's sums;
+- ``save_*``: saving the calibrated model with ``save_pretrained`` in ``--max-shard-size`` shards, as
+  ``merged_model_save_path`` does. The RSS is taken before and during the save, so any second copy shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_calibration import RSSSampler, in_subprocess, model_bytes, provenance, sync, write_json  # noqa: E402
+
+LLAMA_VOCAB = 128256
+ARCHS = {
+    "llama-3.2-1b-shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=True),
+    "llama-3.2-3b-shape": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                               num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=True),
+    "llama-3.1-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+}
+MODES = ("lazy", "eager")
+
+
+def llama_config(arch: str, dtype: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**ARCHS[arch], rope_theta=500000.0, max_position_embeddings=8192, torch_dtype=dtype)
+
+
+def write_checkpoints(args, root: Path) -> dict:
+    """base/, expert<i>/, merged/ under ``root``, each one shard per decoder layer (plus one for the rest), with
+    an HF index. Done once per (arch, tasks, dtype): a ``spec.json`` says what a folder holds."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.dtype, "seed": 0}
+    names = ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]
+    if (root / "spec.json").is_file() and json.loads((root / "spec.json").read_text()) == spec:
+        return {n: root / n for n in names}
+    config = llama_config(args.arch, args.dtype)
+    with init_empty_weights():
+        skeleton = LlamaForCausalLM(config)
+    shapes = {k: v.shape for k, v in skeleton.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    groups = {}
+    for key in shapes:
+        layer = key.split(".")[2] if key.startswith("model.layers.") else "rest"
+        groups.setdefault(layer, []).append(key)
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator().manual_seed(0)
+    index = {n: {} for n in names}
+    for n in names:
+        (root / n).mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(root / n)
+    for number, (layer, keys) in enumerate(groups.items(), start=1):
+        tensors = {n: {} for n in names}
+        for key in keys:
+            base = torch.ones(shapes[key]) if key.endswith("norm.weight") else 0.02 * torch.randn(shapes[key], generator=generator)
+            merged = base.clone()
+            for i in range(args.tasks):
+                delta = 1e-3 * torch.randn(shapes[key], generator=generator)
+                tensors[f"expert{i}"][key] = (base + delta).to(dtype)
+                merged += 0.3 * delta
+            tensors["base"][key], tensors["merged"][key] = base.to(dtype), merged.to(dtype)
+        shard = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        for n in names:
+            save_file(tensors[n], str(root / n / shard), metadata={"format": "pt"})
+            index[n].update({key: shard for key in keys})
+    for n in names:
+        (root / n / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index[n]}))
+    (root / "spec.json").write_text(json.dumps(spec))
+    return {n: root / n for n in names}
+
+
+def token_batches(args, vocab: int):
+    generator = torch.Generator().manual_seed(1)
+    out = {}
+    for i in range(args.tasks):
+        ids = torch.randint(1, vocab, (args.n, args.seq_len), generator=generator)
+        out[f"expert{i}"] = [{"input_ids": ids[s:s + args.batch_size], "attention_mask": torch.ones_like(ids[s:s + args.batch_size])}
+                             for s in range(0, args.n, args.batch_size)]
+    return out
+
+
+@torch.no_grad()
+def forward_floor(merged, batches, device) -> float:
+    decoder = merged.model
+    decoder(**{k: v[:1].to(device) for k, v in next(iter(batches.values()))[0].items()})  # warm-up, not timed
+    sync(device)
+    started = time.perf_counter()
+    for task_batches in batches.values():
+        for batch in task_batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            for _ in range(2):  # the calibrated stream and the expert's
+                decoder(**batch)
+    sync(device)
+    return time.perf_counter() - started
+
+
+def worker(args) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from featcal_fusionbench.engine import FeatCalEngine
+    from featcal_fusionbench.families.causal_lm import CausalLMFamily
+    from featcal_fusionbench.hparams import FeatCalHParams
+    from featcal_fusionbench.lazy_models import load_lazily
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    paths = {n: Path(args.workdir) / n for n in ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]}
+    merged = LlamaForCausalLM.from_pretrained(paths["merged"], torch_dtype=dtype).eval().to(device)
+    load = (lambda p: load_lazily(LlamaForCausalLM, p, dtype)) if args.worker == "lazy" else \
+        (lambda p: LlamaForCausalLM.from_pretrained(p, torch_dtype=dtype).eval())
+    base = load(paths["base"])
+    experts = {f"expert{i}": load(paths[f"expert{i}"]) for i in range(args.tasks)}
+    batches = token_batches(args, merged.config.vocab_size)
+    floor = forward_floor(merged, batches, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size, rho=0.5, alpha=0.15, lambda_=1e-5)
+    engine = FeatCalEngine(CausalLMFamily(), hp, device, progress=False, profile=args.profile)
+    with RSSSampler() as rss:
+        started = time.perf_counter()
+        report = engine.run(merged, base, experts, {t: iter(b) for t, b in batches.items()})
+        sync(device)
+        seconds = time.perf_counter() - started
+    if not all(torch.isfinite(p).all() for p in merged.parameters()):
+        raise RuntimeError("the calibrated model has non-finite parameters")
+    # saving as merged_model_save_path does (save_pretrained), shard by shard
+    save_dir = Path(args.workdir) / f"calibrated-{args.worker}"
+    with RSSSampler() as saving:
+        started = time.perf_counter()
+        merged.to("cpu").save_pretrained(save_dir, max_shard_size=args.max_shard_size)
+        save_seconds = time.perf_counter() - started
+    shutil.rmtree(save_dir)
+    return {
+        "mode": args.worker,
+        "seconds": seconds,
+        "forward_floor_seconds": floor,
+        "ratio_to_floor": seconds / floor,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_at_start_bytes": rss.start_bytes,
+        "peak_rss_during_bytes": rss.peak_bytes,
+        "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "model_bytes": model_bytes(merged),
+        "statistics_bytes": report["statistics_bytes"],
+        "save_seconds": save_seconds,
+        "save_rss_before_bytes": saving.start_bytes,
+        "save_peak_rss_during_bytes": saving.peak_bytes,
+        "phase_seconds": report["phase_seconds"],
+        "last_block_cosine": {t: d["after"]["cosine"] for t, d in report["blocks"][-1]["drift"].items()},
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=sorted(ARCHS), required=True)
+    parser.add_argument("--tasks", type=int, default=3)
+    parser.add_argument("--n", type=int, default=8, help="calibration sequences per task")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-shard-size", default="1GB", help="save_pretrained's shard size for the calibrated model")
+    parser.add_argument("--modes", default=",".join(MODES), help="lazy, eager or both (each in its own process)")
+    parser.add_argument("--workdir", help="where the checkpoints are written (reused when they match); default: "
+                        "~/.cache/featcal-fusionbench/bench/<arch>-<tasks>-<dtype>")
+    parser.add_argument("--profile", action="store_true", help="FeatCal's seconds per phase (embed, moments, solve, ...)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES) or not modes:
+        parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
+    if min(args.tasks, args.n, args.seq_len, args.batch_size) < 1:
+        parser.error("--tasks, --n, --seq-len and --batch-size must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is available")
+    if args.workdir is None:
+        # the same in every mode process
+        args.workdir = str(Path.home() / ".cache" / "featcal-fusionbench" / "bench" / f"{args.arch}-{args.tasks}-{args.dtype}")
+
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)))
+        return
+    started = time.perf_counter()
+    write_checkpoints(args, Path(args.workdir))
+    print(f"checkpoints in {args.workdir} ({time.perf_counter() - started:.0f} s)")
+    results = []
+    for mode in modes:
+        result = in_subprocess(__file__, mode)
+        results.append(result)
+        gib = 2**30
+        print(f"{mode:6s} FeatCal {result['seconds']:8.1f} s  floor {result['forward_floor_seconds']:7.1f} s  "
+              f"x{result['ratio_to_floor']:5.2f}  peak RSS {result['peak_rss_bytes'] / gib:6.2f} GiB "
+              f"= {result['peak_rss_bytes'] / result['model_bytes']:.2f} x one model ({result['model_bytes'] / gib:.2f} GiB)"
+              f"  statistics {result['statistics_bytes'] / 2**20:.0f} MiB"
+              + (f"  peak device {result['peak_device_bytes'] / gib:.2f} GiB" if result["peak_device_bytes"] else ""))
+        if result["phase_seconds"]:
+            print("       " + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(result["phase_seconds"].items(), key=lambda kv: -kv[1])))
+        print(f"       saving ({args.max_shard_size} shards) {result['save_seconds']:.1f} s, RSS "
+              f"{result['save_rss_before_bytes'] / gib:.2f} -> {result['save_peak_rss_during_bytes'] / gib:.2f} GiB")
+    summary = {**provenance(__file__, args.device), "arch": args.arch, "tasks": args.tasks, "n": args.n,
+               "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
+               "results": results}
+    if args.json:
+        write_json(args.json, summary)
+
+
+if __name__ == "__main__":
+    main()
