@@ -36,6 +36,32 @@ def test_world_commands_build_atomically_and_locate(tmp_path, monkeypatch, capsy
                                                "taskpool=T/fake"]
 
 
+def test_a_build_killed_with_sigterm_leaves_nothing_behind(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import time\n"
+        "from featcal_experiments.worlds import registry\n"
+        "def slow(root):\n"
+        "    (root / 'half').mkdir(parents=True)\n"
+        "    time.sleep(120)\n"
+        "registry.WORLDS['slow'] = registry.World('slow', 'test', slow, 'P/slow', 'T/slow')\n"
+        "registry.build_world('slow')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, registry.ENV_DIR: str(tmp_path)})
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".slow.partial-*/half")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert list(tmp_path.glob(".slow.partial-*/half")), "the build never started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setenv(registry.ENV_DIR, str(tmp_path))
 

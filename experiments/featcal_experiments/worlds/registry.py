@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -153,6 +155,10 @@ def build_world(name: str, force: bool = False) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     scratch = final.parent / f".{name}.partial-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
+    # `kill` (SIGTERM) would end the process without running `finally`: raise instead, so the scratch folder goes
+    on_terminate = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if on_terminate is not None:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         # Paths inside the world's YAMLs must point at the final location.
         world.build(scratch)
@@ -163,4 +169,10 @@ def build_world(name: str, force: bool = False) -> Path:
         scratch.rename(final)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if on_terminate is not None:
+            signal.signal(signal.SIGTERM, on_terminate)
     return final
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
