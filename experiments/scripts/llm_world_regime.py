@@ -9,16 +9,14 @@ import json
 from pathlib import Path
 
 from featcal_experiments.worlds.llm_world import regime_table
-from featcal_experiments.worlds.registry import is_built, world_path
+from featcal_experiments.worlds.registry import world_meta
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-dir", type=Path, default=None)
     args = parser.parse_args()
-    if args.world_dir is None and not is_built("llm"):
-        raise SystemExit("the LLM world is not built; run: featcal-world build llm")
-    meta = json.loads(((args.world_dir or world_path("llm")) / "world.json").read_text())
+    meta = world_meta("llm", args.world_dir)
     figures = meta["figures"]
     print(regime_table(meta))
     print("\nTask Arithmetic on the validation split:", json.dumps(figures["task_arithmetic_validation"]))

@@ -5,10 +5,9 @@ None of these figures involves FeatCal: they are the checks the world must pass 
 """
 
 import argparse
-import json
 from pathlib import Path
 
-from featcal_experiments.worlds.registry import is_built, world_path
+from featcal_experiments.worlds.registry import world_meta
 from featcal_experiments.worlds.t5_world import expert_matrix_table, regime_table
 
 
@@ -16,9 +15,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-dir", type=Path, default=None)
     args = parser.parse_args()
-    if args.world_dir is None and not is_built("t5"):
-        raise SystemExit("the text world is not built; run: featcal-world build t5")
-    meta = json.loads(((args.world_dir or world_path("t5")) / "world.json").read_text())
+    meta = world_meta("t5", args.world_dir)
     print(regime_table(meta), "", expert_matrix_table(meta), sep="\n")
     print(f"\nbuilt in {meta['build_seconds'] / 60:.1f} min ({meta['machine']}); {meta['parameters']:,} parameters")
 

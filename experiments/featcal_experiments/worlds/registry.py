@@ -102,6 +102,16 @@ def is_built(name: str) -> bool:
     return (world_path(name) / "world.json").is_file()
 
 
+def world_meta(name: str, folder: Optional[Path] = None) -> dict:
+    """A built world's ``world.json`` (of the registered world, or of the one in ``folder``); a world that is not
+    built is named with the command that builds it."""
+    import json
+
+    if folder is None and not is_built(name):
+        raise SystemExit(f"the {name!r} world is not built; run: featcal-world build {name}")
+    return json.loads(((folder or world_path(name)) / "world.json").read_text())
+
+
 def world_fingerprint(name: str) -> Optional[str]:
     """The first 12 hex digits of the sha1 of the built world's ``world.json`` (None when it is not built).
 
