@@ -98,7 +98,7 @@ def materialize(module: nn.Module, device) -> None:
         if not torch.isfinite(value).all():
             raise ValueError(f"{keys[name]} in {source.tensors.folder} has non-finite values")
         set_module_tensor_to_device(module, name, device, value=value.to(source.dtype))
-    # buffers follow the module, as a whole model's would
+    # buffers (small; rotary tables) follow the module onto the device and stay there
     for name, buffer in module.named_buffers():
         set_module_tensor_to_device(module, name, device, value=buffer)
 
