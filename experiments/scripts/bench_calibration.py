@@ -208,6 +208,21 @@ def model_bytes(*models) -> int:
     return sum(p.numel() * p.element_size() for m in models for p in m.parameters())
 
 
+def stage_figures(seconds: float, floor: float, rss: "RSSSampler", device: torch.device) -> dict:
+    """Time against the forward floor, and memory: the process's peak, and what the timed stage itself holds
+    (resident at its start: interpreter, CUDA context, the models and data the bench built; the sampled peak while
+    it runs)."""
+    return {
+        "seconds": seconds,
+        "forward_floor_seconds": floor,
+        "ratio_to_floor": seconds / floor,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_at_start_bytes": rss.start_bytes,
+        "peak_rss_during_bytes": rss.peak_bytes,
+        "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+    }
+
+
 def worker(args) -> dict:
     from featcal_fusionbench.baselines import ProbSurgeryAlgorithm, SurgeryAlgorithm
 
@@ -224,16 +239,8 @@ def worker(args) -> dict:
             seconds, extra = run_surgery(args, config, base, merged, experts, images, device, cls)
     return {
         "method": args.worker,
-        "seconds": seconds,
-        "forward_floor_seconds": floor,
-        "ratio_to_floor": seconds / floor,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        # what the calibration stage itself holds: resident at its start (interpreter, CUDA context, the models
-        # and images the bench built) and the sampled peak while it runs
-        "rss_at_start_bytes": rss.start_bytes,
-        "peak_rss_during_bytes": rss.peak_bytes,
+        **stage_figures(seconds, floor, rss, device),
         "models_bytes": model_bytes(base, merged, *experts.values()),
-        "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         **extra,
     }
 

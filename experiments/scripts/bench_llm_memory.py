@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import sys
 import time
@@ -35,7 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_calibration import RSSSampler, in_subprocess, model_bytes, provenance, sync, write_json  # noqa: E402
+from bench_calibration import (  # noqa: E402
+    RSSSampler, in_subprocess, model_bytes, provenance, stage_figures, sync, write_json,
+)
 
 LLAMA_VOCAB = 128256
 ARCHS = {
@@ -164,13 +165,7 @@ def worker(args) -> dict:
     shutil.rmtree(save_dir)
     return {
         "mode": args.worker,
-        "seconds": seconds,
-        "forward_floor_seconds": floor,
-        "ratio_to_floor": seconds / floor,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "rss_at_start_bytes": rss.start_bytes,
-        "peak_rss_during_bytes": rss.peak_bytes,
-        "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        **stage_figures(seconds, floor, rss, device),
         "model_bytes": model_bytes(merged),
         "statistics_bytes": report["statistics_bytes"],
         "save_seconds": save_seconds,
