@@ -93,6 +93,12 @@ def test_world_json_and_configs(mini_world, monkeypatch):
     assert taskpool_cfg.confirm_run_unsafe_code and taskpool_cfg.apply_chat_template
     for name in taskpool_cfg.tasks:
         assert (Path(taskpool_cfg.include_path) / f"{name}.yaml").is_file()
+    # the validation task pool: the same tasks on held-out train-side examples, for sweeps
+    _, validation_cfg = pool_configs("llm", taskpool="LMEvalHarnessTaskPool/offline_llm_val")
+    assert list(validation_cfg.tasks) == [f"{name}_val" for name in taskpool_cfg.tasks]
+    for name, entry in validation_cfg.tasks.items():
+        assert entry == taskpool_cfg.tasks[name[:-len("_val")]]
+        assert (Path(validation_cfg.include_path) / f"{name}.yaml").is_file()
 
 
 def test_cli_args_add_the_world_config_folder(mini_world, monkeypatch, capsys):

@@ -62,7 +62,9 @@ def overrides_of(run):
 
 def test_every_printed_row_of_every_table_is_in_the_catalog(tmp_path):
     catalog = Catalog("hub", tmp_path)
-    for table in TABLES:
+    assert set(TABLES) == set(PAPER) | {"12-llm"}  # one table of ours: the LLM world's sample budget
+    assert all(r.skip and "offline LLM world" in r.skip and not r.runs for r in catalog.rows("12-llm"))
+    for table in PAPER:
         rows = catalog.rows(table)
         assert {r.paper_key for r in rows} == set(PAPER[table]["rows"]), table
         assert len({r.id for r in rows}) == len(rows)
@@ -103,6 +105,30 @@ def test_offline_world_maps_table_1_and_table_3_base_and_skips_the_rest_with_a_r
             assert row.setting == "offline-t5"
     lines = list_lines(catalog.rows("7"))
     assert lines and all(line.startswith("# table 7 ") and "skipped (no offline" in line for line in lines)
+
+
+def test_the_offline_llm_world_is_table_4s_3b_block_and_its_own_sample_budget_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path / "worlds"))
+    catalog = Catalog("offline", tmp_path / "runs")
+    rows = catalog.rows("4")
+    assert all("Llama-3.1-8B" in r.skip for r in rows if r.group == "llama3.1-8b")
+    mine = [r for r in rows if r.group == "llama3.2-3b"]
+    assert [r.method for r in mine] == ["pretrained", "finetuned", "ta", "ta+surgery", "ta+probsurgery", "ta+featcal"]
+    assert all(r.setting == "offline-llm" and not r.skip for r in mine)
+    (finetuned,) = [r for r in mine if r.method == "finetuned"]
+    assert {r.task: r.provides for r in finetuned.runs} == {
+        "math": ("llm_math",), "code": ("llm_code",), "instruction": ("llm_instruction",)}
+    budget = {run.id: run for row in catalog.rows("12-llm") for run in row.runs}
+    assert len(budget) == 3 * 3 * 3 and {run.budget for run in budget.values()} == {
+        (n, s) for n in (8, 32, 128) for s in (42, 43, 44)}
+    # Table 4's calibrator rows are the budget table's n = 32, seed 42 runs: one run each, not two
+    for row in mine[3:]:
+        (run,) = row.runs
+        assert run.id == f"offline-llm/{row.method}/n32-seed42" and run.command == budget[run.id].command
+    # the world's pool configs live in its own folder: every command adds it to Hydra's search path
+    search = f"hydra.searchpath=[file://{tmp_path / 'worlds' / 'llm' / 'config'}]"
+    assert all(search in run.args for row in mine for run in row.runs)
+    assert not any(a.startswith("hydra.searchpath") for a in catalog.upstream_run("offline-clip8", "ta").args)
 
 
 def test_an_unbuilt_offline_world_is_named_with_its_build_command(tmp_path, monkeypatch):
@@ -236,23 +262,25 @@ class Composer:
         self.parts = {}
         self.root = compose("fabric_model_fusion")
 
-    def _part(self, group, choice):
-        if choice not in self.parts:
-            self.parts[choice] = compose(None, overrides=[f"+{choice}", "+fast_dev_run=false"])[group]
-        return self.parts[choice]
+    def _part(self, group, choice, search=()):
+        if (choice, search) not in self.parts:
+            overrides = [*search, f"+{choice}", "+fast_dev_run=false"]
+            self.parts[choice, search] = compose(None, overrides=overrides)[group]
+        return self.parts[choice, search]
 
     def __call__(self, run):
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
         from omegaconf import open_dict
 
         cfg = copy.deepcopy(self.root)
+        search = tuple(a for a in run.args if a.startswith("hydra.searchpath="))  # the LLM world's own configs
         values = []
         for arg in run.args:
             key = arg.lstrip("~+").split("=", 1)[0]
             if key in GROUPS:
                 with open_dict(cfg):
-                    cfg[key] = self._part(key, arg)
-            else:
+                    cfg[key] = self._part(key, arg, search)
+            elif key != "hydra.searchpath":
                 values.append(arg)
         ConfigLoaderImpl._apply_overrides_to_config(self.parser.parse_overrides(values), cfg)
         return cfg
@@ -262,12 +290,18 @@ class Composer:
 
 
 @pytest.fixture(scope="module")
-def composer():
+def composer(tmp_path_factory):
     import fusion_bench_config
+
+    from featcal_experiments.worlds.llm_world import LLM_WORLD, write_configs
 
     mp = pytest.MonkeyPatch()
     for key, value in OFFLINE.items():
         mp.setenv(key, value)
+    # the LLM world's pool configs, as its build writes them (composing reads no model or data)
+    worlds = tmp_path_factory.mktemp("worlds")
+    write_configs(worlds / "llm", LLM_WORLD)
+    mp.setenv("FEATCAL_WORLDS_DIR", str(worlds))
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"a network connection was attempted: {args}")
@@ -307,10 +341,14 @@ def check_composed(cfg, run, catalog, upstream_saves):
         if world == "offline" and setting.family == "t5":
             assert method["calibration_datasets"] is None
         if run.calibrator == "featcal" and setting.family == "causal_lm":  # Sec. 5.1's LLM values
-            lambda_ = {"llama3.2-3b": 1e-5, "llama3.1-8b": 3.0}[run.setting]
+            lambda_ = {"llama3.2-3b": 1e-5, "llama3.1-8b": 3.0, "offline-llm": 1e-5}[run.setting]
             assert (method["lambda_"], method["rho"], method["alpha"]) == (lambda_, 0.5, 0.15)
             assert method["upstream"]["merge_backbone"] and method["upstream"]["scaling_factor"] == 0.3
-            assert set(method["calibration_datasets"]) >= {"math", "coding", "instruction"}
+            if world == "hub":  # MergeBench's data; the offline world's pool has its own train_datasets
+                assert set(method["calibration_datasets"]) >= {"math", "coding", "instruction"}
+            else:
+                assert method.get("calibration_datasets") is None and set(cfg.modelpool.train_datasets) == {
+                    "math", "code", "instruction"}
     elif run.method == "finetuned":
         assert test_tasks == list(run.provides)
         assert cfg.modelpool.models._get_node("_pretrained_")._value() == f"${{.{run.task}}}"
@@ -654,6 +692,26 @@ def test_table_12_renders_mean_and_std_over_seeds_beside_the_papers_and_draws_it
     assert (cell["paper_std"], float(cell["ours_std"]), cell["seeds"]) == ("0.3", 2.0, "3")
     written = write_tables([model], tmp_path / "tables")
     assert (tmp_path / "tables" / "table_12.png") in written and (tmp_path / "tables" / "table_12.png").stat().st_size
+
+
+def test_the_llm_sample_budget_table_gives_each_tasks_mean_the_calibration_time_and_peak_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", str(tmp_path / "worlds"))
+    catalog = Catalog("offline", tmp_path / "runs")
+    row = next(r for r in catalog.rows("12-llm") if r.method == "ta+featcal")
+    for run, (math, seconds, peak) in zip(row.runs[:2], ((60.0, 10.0, 2 * 2**30), (70.0, 12.0, 4 * 2**30))):
+        assert run.budget[0] == 8
+        write_result(catalog, run, lm_eval_report({"llm_math": math, "llm_code": 100.0, "llm_instruction": 80.0}))
+        (catalog.run_dir(run.id) / "featcal_report.json").write_text(
+            json.dumps({"seconds": seconds, "peak_rss_bytes": peak}))
+    model = build_table(catalog, "12-llm", collect(catalog, catalog.rows("12-llm"))[0])
+    assert not model.has_paper and [c for c, _ in model.blocks[0].columns] == ["n8", "n32", "n128"]
+    md = markdown(model)
+    assert "| w/ FeatCal (partial) | ours | 81.7 ± 2.4 (2 seeds) | – | – |" in md
+    assert "| Method | n | seeds | llm_math | llm_code | llm_instruction | Avg. | calibration (s) | peak RSS (GiB) |" in md
+    assert "| w/ FeatCal | 8 | 2 | 65.0 | 100.0 | 80.0 | 81.7 | 11.0 | 3.00 |" in md
+    assert "| w/ Surgery |" not in md.split("Per task")[1]  # no result, no line
+    hub = markdown(build_table(Catalog("hub", tmp_path / "hub"), "12-llm", {}))
+    assert "not available: the paper's sample budget is CLIP-ViT-B/32's" in hub
 
 
 def test_rendered_tables_name_the_runs_folder_without_the_machines_absolute_paths(tmp_path, monkeypatch):

@@ -50,6 +50,7 @@ LABELS = {
 TA8 = ("sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd")
 TALL14 = TA8 + ("oxford_flowers102", "pcam", "fer2013", "oxford-iiit-pet", "stl10", "cifar100")
 TALL20 = TALL14 + ("cifar10", "food101", "fashion_mnist", "emnist_letters", "kmnist", "rendered-sst2")
+LLM_WORLD_EXPERTS = {"llm_math": "math", "llm_code": "code", "llm_instruction": "instruction"}
 GLUE = tuple(f"glue-{t}" for t in ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"))
 # Table 4's columns as lm-eval tasks, each with the MergeBench expert of its domain (None: no expert; the paper's
 # fine-tuned row prints the base there), as config/taskpool/LMEvalHarnessTaskPool/mergebench_table4.yaml names them
@@ -94,6 +95,9 @@ class Setting:
     # task -> the expert that scores it in the fine-tuned row (None: the base), where one expert covers several
     # tasks (MergeBench's domains); without it, each task's expert is the pool entry of the task's name
     task_experts: Optional[Dict[str, Optional[str]]] = None
+    # (n, seed) of the calibrator rows outside a budget table, where a budget table runs this setting too: those
+    # rows are then that table's runs (one run, not two with the same n and seed)
+    budget: Optional[Tuple[int, int]] = None
 
     def calibrator_config(self, calibrator: str, upstream: str) -> str:
         return self.calibrator_configs[calibrator].format(u=upstream)
@@ -163,10 +167,19 @@ OFFLINE_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
         world="t5", offline_env=True,
         regression_tasks=("wordcount",),  # text_sources.REGRESSION_TASKS (not imported: it would load the worlds)
     ),
+    # Table 4's 3B setting in small: the calibrators' causal-LM configs hold the paper's 3B values. Its pool
+    # configs live in the built world's own folder (a hydra.searchpath argument, added by the catalog).
+    Setting(
+        key="offline-llm", title="offline LLM world `llm` (SmolLM2-135M-Instruct; math, code and instruction experts)",
+        family="causal_lm", modelpool="CausalLMPool/offline_llm", taskpool="LMEvalHarnessTaskPool/offline_llm",
+        tasks=tuple(LLM_WORLD_EXPERTS), task_experts=LLM_WORLD_EXPERTS, upstream_methods=CAUSAL_LM_UPSTREAMS,
+        calibrator_configs={c: f"{c}/causal_lm_{{u}}" for c in CALIBRATORS},
+        world="llm", offline_env=True, budget=(32, 42),
+    ),
 ]}
 
-NO_OFFLINE = ("offline worlds exist only for an 8-task CLIP (`clip`: Tables 1 and 12) and a FLAN-T5-base-shaped "
-              "text model (`t5`: Table 3's base rows)")
+NO_OFFLINE = ("offline worlds exist only for an 8-task CLIP (`clip`: Tables 1 and 12), a FLAN-T5-base-shaped "
+              "text model (`t5`: Table 3's base rows) and a small Llama (`llm`: Table 4's 3B rows and Table 12-llm)")
 
 
 @dataclass(frozen=True)
@@ -174,9 +187,10 @@ class Group:
     """A block of a table: its rows' setting in each world (None: not available there)."""
     key: str  # "" for one-block tables; the column (Table 2) or the block (Table 3) otherwise
     title: str
-    hub: str
+    hub: Optional[str]
     offline: Optional[str]
     offline_missing: str = ""
+    hub_missing: str = ""
 
 
 @dataclass(frozen=True)
@@ -220,8 +234,9 @@ TABLES: Dict[str, TableSpec] = {
     ),
     "4": TableSpec(
         "4", PAPER["4"]["caption"],
-        tuple(Group(k, HUB_SETTINGS[k].title, k, None, f"no offline world for {HUB_SETTINGS[k].title} yet; {NO_OFFLINE}")
-              for k in ("llama3.2-3b", "llama3.1-8b")),
+        (Group("llama3.2-3b", HUB_SETTINGS["llama3.2-3b"].title, "llama3.2-3b", "offline-llm"),
+         Group("llama3.1-8b", HUB_SETTINGS["llama3.1-8b"].title, "llama3.1-8b", None,
+               f"no offline world for {HUB_SETTINGS['llama3.1-8b'].title}; {NO_OFFLINE}")),
         ("pretrained", "finetuned", *_merger_rows(("ta",))),
     ),
     "7": _single("7", "l14-8", mtl=True, why=f"no offline CLIP-ViT-L/14 world; {NO_OFFLINE}"),
@@ -234,6 +249,15 @@ TABLES: Dict[str, TableSpec] = {
         "12", PAPER["12"]["caption"], (Group("", HUB_SETTINGS["b32-8"].title, "b32-8", "offline-clip8"),),
         tuple(f"ta+{c}" for c in CALIBRATORS), layout="budget",
         budgets=tuple(int(c[1:]) for c in PAPER["12"]["columns"]), seeds=(42, 43, 44),
+    ),
+    # Not a table of the paper: its Table 12 for the offline LLM world (the paper has no LLM sample budget)
+    "12-llm": TableSpec(
+        "12-llm", "Sample budget on the offline LLM world: each calibrator after Task Arithmetic (0.3) at n examples "
+        "per task, three seeds; mean and standard deviation of the average score, and each task's mean.",
+        (Group("", OFFLINE_SETTINGS["offline-llm"].title, None, "offline-llm",
+               hub_missing="the paper's sample budget is CLIP-ViT-B/32's (Table 12); this table is the offline LLM "
+                           "world's (--world offline)"),),
+        tuple(f"ta+{c}" for c in CALIBRATORS), layout="budget", budgets=(8, 32, 128), seeds=(42, 43, 44),
     ),
 }
 TABLE_ALIASES = {"I": ("7", "8", "9", "10", "11"), "all": tuple(TABLES)}
@@ -345,6 +369,15 @@ def world_unavailable(setting: Setting) -> Optional[str]:
     return None
 
 
+def world_config_args(setting: Setting) -> Tuple[str, ...]:
+    """The search-path argument of an offline world whose pool configs live in its own folder (the LLM world's)."""
+    if setting.world is None:
+        return ()
+    from ..worlds.registry import fusion_bench_args
+
+    return tuple(a for a in fusion_bench_args(setting.world) if a.startswith("hydra.searchpath="))
+
+
 def split_calibrator(override: str) -> Tuple[Optional[str], str]:
     """``surgery:method.x=1`` -> ("surgery", "method.x=1"): an override for one calibrator; no prefix -> (None, it)."""
     key = override.split("=", 1)[0]
@@ -390,8 +423,8 @@ class Catalog:
               pool: Sequence[str] = (), tail: Sequence[str] = (), single_task: bool = False) -> Tuple[str, ...]:
         """method=... and its options, modelpool=... and its, taskpool=... and its, outputs, the folder."""
         taskpool_overrides = setting.single_task_overrides if single_task else setting.taskpool_overrides
-        return (*head, f"modelpool={setting.modelpool}", *pool, *taskpool, *taskpool_overrides, *tail,
-                *self.all_overrides, f"path.log_dir={self.run_dir(run_id)}")
+        return (*head, *world_config_args(setting), f"modelpool={setting.modelpool}", *pool, *taskpool,
+                *taskpool_overrides, *tail, *self.all_overrides, f"path.log_dir={self.run_dir(run_id)}")
 
     def upstream_run(self, key: str, upstream: str) -> Run:
         setting = self.settings[key]
@@ -470,18 +503,19 @@ class Catalog:
         if table not in TABLES:
             raise CatalogError(f"unknown table {table!r}; known: {', '.join(TABLES)}")
         spec = TABLES[table]
-        paper_rows = PAPER[table]["rows"]
+        paper_rows = PAPER[table]["rows"] if table in PAPER else {}
         out = []
         for group in spec.groups:
             key = group.hub if self.world == "hub" else group.offline
             for method in spec.methods:
                 row_id = f"{group.key}/{method}" if group.key else method
                 paper_key = f"{group.hub}/{method}"
-                paper_key = paper_key if paper_key in paper_rows else None
+                paper_key = paper_key if group.hub and paper_key in paper_rows else None
                 base = dict(table=table, id=row_id, group=group.key, method=method, label=method_label(method),
                             paper_key=paper_key)
                 if key is None:
-                    out.append(Row(setting=None, skip=group.offline_missing or NO_OFFLINE, **base))
+                    why = (group.offline_missing or NO_OFFLINE) if self.world == "offline" else group.hub_missing
+                    out.append(Row(setting=None, skip=why, **base))
                     continue
                 if method == "mtl":
                     out.append(Row(setting=key, skip="paper number only: Traditional MTL is joint multi-task "
@@ -501,7 +535,7 @@ class Catalog:
                                  for n in spec.budgets for seed in spec.seeds)
                 elif "+" in method:
                     upstream, calibrator = method.split("+")
-                    runs = (self.calibrator_run(key, upstream, calibrator),)
+                    runs = (self.calibrator_run(key, upstream, calibrator, self.settings[key].budget),)
                 else:
                     runs = (self.upstream_run(key, method),)
                 out.append(Row(setting=key, runs=runs, **base))

@@ -73,34 +73,50 @@ def row_scores(row: Row, results: Dict[str, dict]) -> Tuple[Dict[str, float], st
     return values, "ok"
 
 
-def budget_scores(row: Row, results: Dict[str, dict],
-                  catalog: Catalog) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
-    """(``n<n>`` -> the average accuracy of each seed's run so far, ``n<n>`` -> each one's calibration seconds)."""
-    averages: Dict[str, List[float]] = {}
-    seconds: Dict[str, List[float]] = {}
+@dataclass
+class BudgetRuns:
+    """A Table 12 row's runs so far, per budget column ``n<n>``: each seed's average, calibration seconds and peak
+    RSS, and each task's scores."""
+    averages: Dict[str, List[float]] = field(default_factory=dict)
+    seconds: Dict[str, List[float]] = field(default_factory=dict)
+    peak_rss: Dict[str, List[float]] = field(default_factory=dict)
+    tasks: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)
+
+
+def budget_scores(row: Row, results: Dict[str, dict], catalog: Catalog) -> BudgetRuns:
+    out = BudgetRuns()
     for run in row.runs:
         if run.id not in results:
             continue
         column = f"n{run.budget[0]}"
         values = scores(results[run.id]["report"], run.calibrator)
-        average = values.get("average", statistics.fmean(values.values()) if values else None)
+        average = values.pop("average", statistics.fmean(values.values()) if values else None)
         if average is not None:
-            averages.setdefault(column, []).append(average)
-        cost = calibrator_seconds(catalog, run)
-        if cost is not None:
-            seconds.setdefault(column, []).append(cost)
-    return averages, seconds
+            out.averages.setdefault(column, []).append(average)
+        for task, value in values.items():
+            out.tasks.setdefault(column, {}).setdefault(task, []).append(value)
+        report = calibrator_report(catalog, run)
+        for key, target in (("seconds", out.seconds), ("peak_rss_bytes", out.peak_rss)):
+            if isinstance(report.get(key), (int, float)):
+                target.setdefault(column, []).append(float(report[key]))
+    return out
+
+
+def calibrator_report(catalog: Catalog, run) -> dict:
+    """The ``<calibrator>_report.json`` a calibrator wrote into its run folder (the name every calibrator of this
+    plugin saves its report under: FeatCal's REPORT_NAME, the baselines' report_name; tests/test_reproduce.py holds
+    the two to each other); {} where there is none."""
+    try:
+        report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
 def calibrator_seconds(catalog: Catalog, run) -> Optional[float]:
-    """The calibrator's own seconds, from the ``<calibrator>_report.json`` it wrote into its run folder (the name
-    every calibrator of this plugin saves its report under: FeatCal's REPORT_NAME, the baselines' report_name;
-    tests/test_reproduce.py holds the two to each other)."""
-    try:
-        report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
-        return float(report["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The calibrator's own seconds, from its report (None where unknown)."""
+    seconds = calibrator_report(catalog, run).get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else None
 
 
 def row_times(row: Row, results: Dict[str, dict], catalog: Catalog) -> Tuple[Optional[float], Optional[float]]:
@@ -145,6 +161,8 @@ class RenderRow:
     wall_seconds: Optional[float] = None
     calibration_seconds: Optional[float] = None
     budget_seconds: Dict[str, float] = field(default_factory=dict)  # Table 12: mean calibration seconds per n
+    budget_peak_rss: Dict[str, float] = field(default_factory=dict)  # Table 12: mean peak RSS (bytes) per n
+    budget_tasks: Dict[str, Dict[str, float]] = field(default_factory=dict)  # Table 12: n -> task -> mean score
 
 
 @dataclass
@@ -170,19 +188,24 @@ class TableModel:
 def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
                 stale: Optional[Dict[str, str]] = None) -> TableModel:
     spec = TABLES[number]
-    paper = PAPER[number]
+    # a table that is not the paper's (Table 12-llm) has its columns from the spec and no paper numbers
+    paper = PAPER.get(number) or {
+        "caption": spec.title, "rows": {}, "std": {}, "notes": [],
+        "columns": [f"n{n}" for n in spec.budgets], "labels": {f"n{n}": f"n = {n}" for n in spec.budgets}}
     hub = catalog.world == "hub"
     rows = catalog.rows(number)
     model = TableModel(number, paper["caption"], catalog.world, portable(str(catalog.runs_dir)), [], spec.layout,
-                       has_paper=hub)
+                       has_paper=hub and number in PAPER)
     if spec.layout == "budget":
         model.seeds = len(spec.seeds)
         group = spec.groups[0]
         key = group.hub if hub else group.offline
         columns = [(c, paper["labels"][c]) for c in paper["columns"]]
-        block = Block(catalog.settings[key].title, columns, [])
+        block = Block(catalog.settings[key].title if key else f"{group.title} (not available: {group.hub_missing})",
+                      columns, [])
         for row in rows:
-            averages, seconds = budget_scores(row, results, catalog)
+            runs = budget_scores(row, results, catalog)
+            averages = runs.averages
             mean_printed = paper["rows"].get(row.paper_key, {}) if hub and row.paper_key else {}
             std_printed = paper["std"].get(row.paper_key, {}) if hub and row.paper_key else {}
             cells = {}
@@ -193,8 +216,11 @@ def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
             done = sum(len(v) for v in averages.values())
             status = "ok" if done == len(row.runs) else "missing" if not done else "partial"
             wall = sum(float(results[r.id].get("seconds", 0.0)) for r in row.runs if r.id in results) or None
-            block.rows.append(RenderRow(row.id, row.label, row.method, cells, status, wall, None,
-                                        {c: statistics.fmean(v) for c, v in seconds.items()}))
+            block.rows.append(RenderRow(
+                row.id, row.label, row.method, cells, status, wall, None,
+                {c: statistics.fmean(v) for c, v in runs.seconds.items()},
+                {c: statistics.fmean(v) for c, v in runs.peak_rss.items()},
+                {c: {t: statistics.fmean(v) for t, v in by_task.items()} for c, by_task in runs.tasks.items()}))
         model.blocks.append(block)
         model.notes.append(f"seeds {', '.join(map(str, spec.seeds))}; each cell: mean +- standard deviation (ddof 1) "
                            "of the runs' average accuracy over the seeds with a result (a cell from fewer seeds "
@@ -309,9 +335,32 @@ def markdown(model: TableModel) -> str:
             out += [f"| {row.label} | " + " | ".join(_fmt(row.budget_seconds.get(c)) for c, _ in block.columns)
                     + " |" for row in timed]
             out.append("")
+        if model.layout == "budget" and any(row.budget_tasks for row in block.rows):
+            out += budget_task_lines(block)
     if model.notes:
         out += ["Notes:", ""] + [f"- {n}" for n in model.notes] + [""]
     return "\n".join(out)
+
+
+def budget_task_lines(block: Block) -> List[str]:
+    """Each row at each budget: every task's score, the average (means over the seeds with a result), the
+    calibrator's own seconds and the run's peak RSS (means too)."""
+    tasks = list(dict.fromkeys(t for row in block.rows for by_task in row.budget_tasks.values() for t in by_task))
+    out = ["Per task (mean over seeds; calibration seconds and the run's peak RSS from the calibrator's report):", "",
+           "| Method | n | seeds | " + " | ".join(tasks) + " | Avg. | calibration (s) | peak RSS (GiB) |",
+           "|---|---:|---:|" + "---:|" * (len(tasks) + 3)]
+    for row in block.rows:
+        for column, label in block.columns:
+            by_task = row.budget_tasks.get(column)
+            if not by_task:
+                continue
+            cell = row.cells[column]
+            peak = row.budget_peak_rss.get(column)
+            out.append(f"| {row.label} | {label.replace('n = ', '')} | {cell.seeds} | "
+                       + " | ".join(_fmt(by_task.get(t)) for t in tasks)
+                       + f" | {_fmt(cell.ours)} | {_fmt(row.budget_seconds.get(column))} | "
+                       + ("" if peak is None else f"{peak / 2**30:.2f}") + " |")
+    return out + [""]
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",

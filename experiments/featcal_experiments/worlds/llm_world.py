@@ -96,20 +96,26 @@ def write_configs(root: Path, spec: LLMWorldSpec) -> Dict[str, str]:
         "train_datasets": {t: {"_target_": "datasets.load_from_disk", "dataset_path": str(root / "data" / t / "train")}
                            for t in spec.tasks},
     }
-    taskpool = {
-        "_target_": "featcal_fusionbench.lm_eval_taskpool.LMEvalTaskPool",
-        "tasks": {llm_eval.task_name(t): {"metric": llm_eval.metric_key(t), "expert": t} for t in spec.tasks},
-        "include_path": str(root / "tasks"),
-        "apply_chat_template": True,
-        "batch_size": spec.eval_batch,
-        "limit": None,
-        "confirm_run_unsafe_code": True,  # the code task runs the generated programs (guarded, in a subprocess)
-    }
+
+    def taskpool(split):
+        return {
+            "_target_": "featcal_fusionbench.lm_eval_taskpool.LMEvalTaskPool",
+            "tasks": {llm_eval.task_name(t, split): {"metric": llm_eval.metric_key(t), "expert": t} for t in spec.tasks},
+            "include_path": str(root / "tasks"),
+            "apply_chat_template": True,
+            "batch_size": spec.eval_batch,
+            "limit": None,
+            "confirm_run_unsafe_code": True,  # the code task runs the generated programs (guarded, in a subprocess)
+        }
+
+    # the validation task pool scores held-out train-side examples: what a sweep chooses its values on
     paths = {"modelpool": root / "config" / "modelpool" / f"{MODELPOOL}.yaml",
-             "taskpool": root / "config" / "taskpool" / f"{TASKPOOL}.yaml"}
-    for key, content in (("modelpool", pool), ("taskpool", taskpool)):
-        paths[key].parent.mkdir(parents=True, exist_ok=True)
-        paths[key].write_text(yaml.safe_dump(content, sort_keys=False))
+             "taskpool": root / "config" / "taskpool" / f"{TASKPOOL}.yaml",
+             "taskpool_validation": root / "config" / "taskpool" / f"{TASKPOOL}_val.yaml"}
+    contents = {"modelpool": pool, "taskpool": taskpool("test"), "taskpool_validation": taskpool("validation")}
+    for key, path in paths.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(contents[key], sort_keys=False))
     return {k: str(v) for k, v in paths.items()}
 
 
