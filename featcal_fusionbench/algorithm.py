@@ -81,6 +81,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         with self.profile("load models"):
             base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading)
             family = family_for(base, self.family_options)
+            family.check_models(modelpool, base)
             plan_blocks(family, base, hp)
         with self.profile("load calibration data"):
             datasets = select_calibration_data(

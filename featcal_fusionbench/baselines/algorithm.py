@@ -148,6 +148,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         with self.profile("load models"):
             base = modelpool.load_pretrained_model()
             family = family_for(base)
+            family.check_models(modelpool, base)
             site = family.feature_site(modelpool, base)  # a pool that cannot give it fails before the experts
             experts = self.load_experts(modelpool, tasks, base)
         with self.profile("load calibration data"):

@@ -107,6 +107,10 @@ class ModelFamily(ABC):
     def supports(cls, model: nn.Module) -> bool:
         """Whether this family knows the model's class."""
 
+    def check_models(self, modelpool, model: nn.Module) -> None:
+        """Fail on a pool whose models this family would calibrate wrongly (``model``: its loaded base), before
+        the upstream merge runs; the default finds nothing to check."""
+
     # ---- the block walk ------------------------------------------------------------------------
 
     @abstractmethod

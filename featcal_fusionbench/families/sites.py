@@ -20,7 +20,8 @@ from ..moments import layer_norm_without_affine, rms_norm_without_scale
 LINEAR = "linear"
 LAYERNORM = "layernorm"
 RMSNORM = "rmsnorm"
-NORM_KINDS = (LAYERNORM, RMSNORM)
+SCALE = "scale"  # an elementwise scale of the raw input (a layer scale): solved as a scale-only norm
+NORM_KINDS = (LAYERNORM, RMSNORM, SCALE)
 
 OnTensor = Callable[[Tensor], None]
 
