@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
 
@@ -274,3 +275,48 @@ def byte_tokenizer(chat_template=None):
     tokenizer = ByT5Tokenizer()
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def tiny_image_encoder(
+    seed: int = 0, layers: int = 3, width: int = 32, layer_scale: Optional[float] = None, quick_gelu: bool = True,
+    batch_first: bool = True,
+):
+    """What FusionBench's OpenCLIP pool returns (an ``ImageEncoder`` around an open_clip ``CLIP`` with its text
+    transformer removed), built tiny and offline: ``ImageEncoder(name)`` would download the OpenAI weights.
+    ``batch_first=False`` gives the (L, N, D) blocks of towers pickled by open_clip 2.0.2."""
+    import open_clip
+    from fusion_bench.models.open_clip import ImageEncoder
+
+    torch.manual_seed(seed)
+    clip = open_clip.CLIP(
+        embed_dim=16,
+        vision_cfg={"image_size": 16, "patch_size": 8, "width": width, "layers": layers, "head_width": width // 4,
+                    "mlp_ratio": 2.0, "ls_init_value": layer_scale},
+        text_cfg={"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+        quick_gelu=quick_gelu,
+    )
+    del clip.transformer  # as ImageEncoder(keep_lang=False) does
+    with torch.no_grad():  # open_clip starts norms at (1, 0): spread them so that their updates are visible
+        for name, p in clip.visual.named_parameters():
+            if ".ln_" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    if not batch_first:
+        clip.visual.transformer.batch_first = False
+        for block in clip.visual.transformer.resblocks:
+            block.attn.batch_first = False
+    encoder = ImageEncoder.__new__(ImageEncoder)
+    nn.Module.__init__(encoder)
+    encoder.model = clip.eval()
+    encoder.train_preprocess = open_clip.image_transform(16, is_train=True)
+    encoder.val_preprocess = open_clip.image_transform(16, is_train=False)
+    encoder.cache_dir = None
+    return encoder.eval()
+
+
+def tiny_openclip_world(num_tasks: int = 2, seed: int = 0, batches: int = 3, batch_size: int = 4, **encoder):
+    base = tiny_image_encoder(seed, **encoder)
+    experts = {f"task{i}": perturbed(base, 0.05, seed + 10 + i) for i in range(num_tasks)}
+    merged = task_arithmetic(base, list(experts.values()), 0.3)
+    g = torch.Generator().manual_seed(seed + 100)
+    data = {t: [torch.randn(batch_size, 3, 16, 16, generator=g) for _ in range(batches)] for t in experts}
+    return base, experts, merged, data

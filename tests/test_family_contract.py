@@ -22,13 +22,16 @@ from featcal_fusionbench.engine import FeatCalEngine, on_device, plan_blocks
 from featcal_fusionbench.families import family_class_for, family_for, register_family
 from featcal_fusionbench.families.causal_lm import CausalLMFamily
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
+from featcal_fusionbench.families.openclip_vision import OpenCLIPVisionFamily
 from featcal_fusionbench.families.t5 import T5Family
 from featcal_fusionbench.families.sites import first_tensor
 from featcal_fusionbench.hparams import FeatCalHParams
 from fusion_bench.utils import instantiate
 
 from fused_family import FusedAttentionFamily, tiny_fused
-from helpers import causal_lm_forward, perturbed, task_arithmetic, tiny_causal_lm_world, tiny_t5_world, tiny_world
+from helpers import (
+    causal_lm_forward, perturbed, task_arithmetic, tiny_causal_lm_world, tiny_openclip_world, tiny_t5_world, tiny_world,
+)
 
 TA = {"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3, "inplace": False}
 
@@ -77,6 +80,17 @@ CASES = [
         {"fixture": "tiny_t5_pool", "modelpool": "modelpool/Seq2SeqLMPool/tiny_t5.yaml", "taskpool": "taskpool/tiny_t5_text.yaml"},
     ),
     Case(FusedAttentionFamily, fused_world, lambda m, x: m(x), r"attn\.in_proj\.[qv]$|c_fc$", 12),
+    # OpenCLIP as FusionBench's pool serves it (ImageEncoder); with layer scale; with the (L, N, D) blocks of
+    # towers pickled by open_clip 2.0.2.
+    Case(OpenCLIPVisionFamily, tiny_openclip_world, lambda m, x: m(x), r"attn\.in_proj\.[qv]$|mlp\.c_fc$", 12),
+    Case(
+        OpenCLIPVisionFamily, lambda: tiny_openclip_world(layer_scale=0.5), lambda m, x: m(x), r"ls_[12]$", 12,
+        label="openclip_vision-layer_scale",
+    ),
+    Case(
+        OpenCLIPVisionFamily, lambda: tiny_openclip_world(batch_first=False), lambda m, x: m(x), r"attn\.out_proj$", 12,
+        label="openclip_vision-seq_first",
+    ),
     *(causal_lm_case(arch) for arch in ("llama", "mistral", "qwen2", "gemma2")),
 ]
 SURGERY_CASES = [c for c in CASES if c.pools]
@@ -255,10 +269,14 @@ def test_bad_family_options_and_selections_are_named(case):
         plan_blocks(case.family(), base, FeatCalHParams(module_regex="nothing_matches"))
 
 
-@pytest.mark.parametrize("lazy_case", [c for c in CASES if c.family is not FusedAttentionFamily], ids=lambda c: c.id)
+NOT_TRANSFORMERS = (FusedAttentionFamily, OpenCLIPVisionFamily)
+
+
+@pytest.mark.parametrize("lazy_case", [c for c in CASES if c.family not in NOT_TRANSFORMERS], ids=lambda c: c.id)
 def test_base_and_experts_read_block_by_block_from_their_checkpoints_calibrate_the_same(lazy_case, tmp_path):
     """``lazy_loading``: the base and experts are skeletons that read each block from safetensors when the engine
-    uses it and release it after. (The fused test family is not a transformers model: it has no checkpoint.)"""
+    uses it and release it after. (The fused test family and OpenCLIP are no transformers models: their
+    checkpoints are no safetensors.)"""
     from featcal_fusionbench.lazy_models import load_lazily
 
     base, experts, merged, data = lazy_case.world()

@@ -1,0 +1,263 @@
+"""OpenCLIP vision towers: open_clip's ``VisionTransformer``, as FusionBench's ``OpenCLIPVisionModelPool`` serves it
+(``fusion_bench.models.open_clip.ImageEncoder``, whose ``.model`` is an open_clip ``CLIP``), or the bare tower / CLIP.
+
+conv1, the class token, the positional embedding and ``ln_pre`` enter the first residual block; ``ln_post`` and
+``proj`` keep their merged values. In a block, q, k and v are rows of the fused ``attn.in_proj_weight`` (one shared
+input, ``ln_1``'s output) and ``out_proj``'s input exists only inside the functional attention call
+(``MHAOutProjSite`` recomputes it). Surgery and ProbSurgery are refused (``feature_site``): FusionBench's OpenCLIP task pool
+cannot tell a model which task it evaluates, so their per-task maps would silently not be applied.
+
+open_clip 3.x (3.3.0 checked) builds ``ViT-B-32`` with ``nn.GELU``, while the OpenAI weights and the task-vector checkpoints were
+trained with QuickGELU: ``check_models`` refuses such a pool (see ``activation_mismatch``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Hashable, Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import register_family
+from .base import UNIFORM, ModelFamily, batch_loader
+from .clip_vision import CLS_WEIGHTED
+from .sites import SCALE, LayerNormSite, LinearSite, MHAOutProjSite, NormSite, mha_in_proj_sites
+
+try:  # open_clip is a dependency of the package, but an import failure must not hide the other families
+    import open_clip
+    from open_clip.transformer import LayerScale, QuickGELU, ResidualAttentionBlock, VisionTransformer
+except ImportError:  # pragma: no cover - exercised only without open_clip
+    open_clip = None
+
+# k and v of patch tokens still feed the CLS token's attention in the last block (as in the HF CLIP family).
+_KV_SITES = ("attn.in_proj.k", "attn.in_proj.v")
+
+
+def image_encoder_class():
+    """FusionBench's ImageEncoder (what the OpenCLIP pool returns), or None where it cannot be imported."""
+    try:
+        from fusion_bench.models.open_clip import ImageEncoder
+    except ImportError:  # pragma: no cover
+        return None
+    return ImageEncoder
+
+
+def vision_tower(model: nn.Module) -> Optional[nn.Module]:
+    """The ``VisionTransformer`` inside an ImageEncoder, an open_clip CLIP, or the tower itself; else None."""
+    if open_clip is None:
+        return None
+    encoder = image_encoder_class()
+    if encoder is not None and isinstance(model, encoder):
+        model = model.model
+    if isinstance(model, (open_clip.CLIP, open_clip.CustomTextCLIP)):
+        model = model.visual
+    return model if isinstance(model, VisionTransformer) else None
+
+
+def activation_of(tower: nn.Module) -> type:
+    """The MLP activation class of the tower's blocks (all blocks are built with one ``act_layer``)."""
+    kinds = {type(block.mlp.gelu) for block in tower.transformer.resblocks}
+    if len(kinds) != 1:
+        raise TypeError(f"the OpenCLIP blocks mix MLP activations {sorted(k.__name__ for k in kinds)}")
+    return kinds.pop()
+
+
+def trained_with_quick_gelu(model_name: str) -> Optional[bool]:
+    """Whether the weights FusionBench's ``ImageEncoder(model_name)`` reads were trained with QuickGELU: a
+    ``-quickgelu`` name says so; otherwise open_clip's pretrained table for the tag (``openai`` unless the name
+    carries ``__pretrained__<tag>``). None where unknown (``__init__``: random weights; an unknown tag)."""
+    if "__init__" in model_name:
+        return None
+    name, _, tag = model_name.partition("__pretrained__")
+    if "quickgelu" in name.lower():
+        return True
+    cfg = open_clip.get_pretrained_cfg(name, tag or "openai")
+    return cfg.get("quick_gelu", False) if cfg else None
+
+
+def activation_mismatch(entry: Any, tower: nn.Module) -> Optional[str]:
+    """A message when a pool entry's weights were trained with another activation than the loaded tower uses."""
+    model_name = entry.get("model_name") if hasattr(entry, "get") else None
+    if not isinstance(model_name, str):
+        return None  # a pickled encoder or a custom loader: its modules are what it was saved with
+    quick = trained_with_quick_gelu(model_name)
+    actual = activation_of(tower)
+    if quick is None or (actual is QuickGELU) == quick:
+        return None
+    trained = "QuickGELU" if quick else "GELU"
+    return (
+        f"the pool's models are built as open_clip {model_name!r} with {actual.__name__}, but their weights were "
+        f"trained with {trained} (open_clip {open_clip.__version__} builds the OpenAI architectures with nn.GELU; "
+        f"the OpenAI weights and the task-vector checkpoints use QuickGELU). Every feature, the upstream merge's "
+        f"and FeatCal's alike, would shift silently. Fix: build the encoders with {trained}: FusionBench's "
+        f"ImageEncoder(model_name) has no switch for it, so make each pool entry a `_target_` that builds "
+        f"open_clip.create_model_and_transforms(<name>, pretrained=None, force_quick_gelu={quick}) (or the "
+        f"'<name>-quickgelu' config) and loads the checkpoint's state dict into it."
+    )
+
+
+class LayerScaleSite(NormSite):
+    """open_clip's ``LayerScale`` (``x * gamma``): an elementwise scale of the raw input, solved like a scale-only
+    norm with the identity as normaliser."""
+
+    kind = SCALE
+
+    @property
+    def weight(self):
+        return self.module.gamma
+
+    @property
+    def bias(self):
+        return None
+
+    def write(self, weight=None, bias=None):
+        if weight is not None:
+            with torch.no_grad():
+                self.module.gamma.copy_(weight.to(dtype=self.module.gamma.dtype, device=self.module.gamma.device))
+
+    @property
+    def dim(self) -> int:
+        return self.module.gamma.shape[0]
+
+    def normalizer(self):
+        return lambda x: x
+
+    def hooks(self, on_input, on_output=None):
+        # An in-place LayerScale overwrites its input after the hook: keep a copy of what it was.
+        if getattr(self.module, "inplace", False):
+            return super().hooks(lambda x: on_input(x.clone()), on_output)
+        return super().hooks(on_input, on_output)
+
+
+@register_family
+class OpenCLIPVisionFamily(ModelFamily):
+    """Options:
+        last_block_patch_token_weight: as in the HF CLIP family: weight of patch tokens in the last block's
+            statistics for every site but k/v (the CLS token keeps weight 1); 1.0 is the paper's uniform weighting.
+    """
+
+    name = "openclip_vision"
+    options = {"last_block_patch_token_weight": 1.0}
+
+    def check_option(self, name, value):
+        return self.non_negative_number(name, value)
+
+    @property
+    def last_block_patch_token_weight(self) -> float:
+        return float(self.option_values["last_block_patch_token_weight"])
+
+    @classmethod
+    def supports(cls, model: nn.Module) -> bool:
+        return vision_tower(model) is not None
+
+    @staticmethod
+    def tower(model: nn.Module) -> nn.Module:
+        tower = vision_tower(model)
+        if tower is None:
+            raise TypeError(f"{type(model).__name__} holds no open_clip VisionTransformer")
+        unsupported = [
+            what for what, present in (
+                ("an attentional pooler", getattr(tower, "attn_pool", None) is not None),
+                ("custom residual blocks (qk-norm, scaled cosine attention, ...)",
+                 any(not isinstance(b, ResidualAttentionBlock) for b in tower.transformer.resblocks)),
+            ) if present
+        ]
+        if unsupported:
+            raise NotImplementedError(f"the openclip_vision family does not calibrate towers with {' or '.join(unsupported)}")
+        return tower
+
+    # ---- the block walk ------------------------------------------------------------------------
+
+    def blocks(self, model):
+        return list(self.tower(model).transformer.resblocks)
+
+    def stem_modules(self, model):
+        tower = self.tower(model)
+        # class_embedding and positional_embedding are parameters of the tower itself, which holds the blocks:
+        # they are not moved as modules but read onto the device in embed (two small tensors).
+        return [tower.conv1, tower.ln_pre]
+
+    def embed(self, model, inputs) -> Tuple[Tensor, bool]:
+        """open_clip's ``VisionTransformer._embeds`` (3.3.0), written out so that towers unpickled from older
+        open_clip versions (no ``_embeds``, no ``patch_dropout``) walk the same way. The metadata is whether the
+        blocks read (N, L, D) (open_clip >= 2.23) or (L, N, D) (older pickles, attention not batch_first)."""
+        tower = self.tower(model)
+        x = tower.conv1(inputs.to(tower.conv1.weight.dtype))
+        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
+        cls = tower.class_embedding.to(x).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls, x], dim=1) + tower.positional_embedding.to(x)
+        x = getattr(tower, "patch_dropout", nn.Identity())(x)  # the identity in eval mode
+        x = tower.ln_pre(x)
+        batch_first = tower.transformer.resblocks[0].attn.batch_first
+        return (x if batch_first else x.transpose(0, 1)), batch_first
+
+    def run_block(self, block, hidden, meta):
+        return block(hidden)
+
+    # ---- what is calibrated --------------------------------------------------------------------
+
+    def sites(self, block):
+        found = {"ln_1": LayerNormSite(block.ln_1)}
+        found.update({f"attn.in_proj.{part}": site for part, site in mha_in_proj_sites(block.attn).items()})
+        found["attn.out_proj"] = MHAOutProjSite(block.attn)
+        if isinstance(block.ls_1, LayerScale):
+            found["ls_1"] = LayerScaleSite(block.ls_1)
+        found["ln_2"] = LayerNormSite(block.ln_2)
+        found["mlp.c_fc"] = LinearSite(block.mlp.c_fc)
+        found["mlp.c_proj"] = LinearSite(block.mlp.c_proj)
+        if isinstance(block.ls_2, LayerScale):
+            found["ls_2"] = LayerScaleSite(block.ls_2)
+        return found
+
+    def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
+        if block_index == num_blocks - 1 and self.last_block_patch_token_weight != 1.0 and site_name not in _KV_SITES:
+            return CLS_WEIGHTED
+        return UNIFORM
+
+    def token_weights(self, profile, hidden, batch_first: bool) -> Optional[Tensor]:
+        if profile == UNIFORM:
+            return None
+        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, device=hidden.device)
+        if batch_first:
+            weights[:, 0] = 1.0
+        else:
+            weights[0, :] = 1.0
+        return weights
+
+    # ---- checks, data, the baselines -----------------------------------------------------------
+
+    def check_models(self, modelpool, model) -> None:
+        tower = self.tower(model)
+        config = getattr(modelpool, "get_model_config", None)
+        if config is None:
+            return
+        for name in ["_pretrained_", *modelpool.model_names] if modelpool.has_pretrained else modelpool.model_names:
+            problem = activation_mismatch(config(name), tower)
+            if problem:
+                raise ValueError(f"pool entry {name!r}: {problem}")
+
+    def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Tensor]:
+        """Images through the pool's evaluation transform (the encoder's ``val_preprocess``): the features the
+        task pool classifies, without the training transform's random crops."""
+        from fusion_bench.dataset.image_dataset import ImageClassificationDataset
+
+        processor = getattr(modelpool, "test_processor", None)
+        if processor is None:
+            raise TypeError(
+                f"OpenCLIP calibration images are transformed by the pool's `test_processor` (an "
+                f"OpenCLIPVisionModelPool); got a {type(modelpool).__name__}"
+            )
+        images = batch_loader(ImageClassificationDataset(dataset, processor), batch_size, shuffle, seed)
+        return (pixels for pixels, _labels in images)
+
+    def feature_site(self, modelpool, model):
+        # The natural site is the encoder's output (where Surgery's original code maps the task-vector
+        # checkpoints' features), but FusionBench's OpenCLIPVisionModelTaskPool evaluates ImageClassifier(model,
+        # head) and never tells the model which task it classifies: a wrapper's per-task maps would silently not
+        # be applied, and Surgery would score as its upstream model.
+        raise NotImplementedError(
+            "Surgery and ProbSurgery on OpenCLIP models: FusionBench's OpenCLIPVisionModelTaskPool evaluates "
+            "ImageClassifier(model, head) without naming the task, so per-task feature maps cannot be applied "
+            "when it evaluates; it would report the upstream model's accuracy. Use FeatCal (method=featcal/openclip_*), "
+            "or the HF CLIP pools (CLIPVisionModelPool) for Surgery and ProbSurgery."
+        )
