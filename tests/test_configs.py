@@ -50,7 +50,7 @@ def upstream_setting(name):
     setting = name.split("/", 1)[1]
     if setting.startswith(("causal_lm", "mergebench")):
         return "task_arithmetic_causallm"
-    setting = setting.split("_", 1)[1] if setting.startswith("clip_") else "ta"  # flan_t5*_ta
+    setting = setting.split("_", 1)[1] if setting.startswith(("clip_", "openclip_")) else "ta"  # flan_t5*_ta
     return UPSTREAM_OF_SETTING[setting]
 
 
@@ -76,6 +76,9 @@ def test_the_configs_are_the_expected_ones():
             assert f"{family}/{setting}" in METHOD_CONFIGS
     assert {"featcal/clip_ta_demo", "featcal/flan_t5_large_ta", "featcal/causal_lm_ta", "featcal/mergebench_llama3.2_3b_ta",
             "featcal/mergebench_llama3.1_8b_ta"} <= set(METHOD_CONFIGS)
+    # OpenCLIP: FeatCal only (Surgery cannot be evaluated by FusionBench's OpenCLIP task pool), no AdaMerging
+    assert sorted(n for n in METHOD_CONFIGS if "openclip" in n) == [
+        "featcal/openclip_simple_average", "featcal/openclip_ta", "featcal/openclip_wudi"]
 
 
 @pytest.mark.parametrize("name", CALIBRATORS)

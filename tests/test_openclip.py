@@ -167,3 +167,42 @@ def test_surgery_is_refused_before_anything_loads_because_the_task_pool_cannot_a
     with pytest.raises(NotImplementedError, match="without naming the task.*upstream model's accuracy"):
         OpenCLIPVisionFamily().feature_site(None, encoder)
 
+
+@pytest.mark.parametrize("name", ["openclip_ta", "openclip_simple_average", "openclip_wudi"])
+def test_the_issue_command_composes_offline_with_fusion_benchs_openclip_pools(name, monkeypatch):
+    """`fusion_bench method=featcal/openclip_* modelpool=OpenCLIPVisionModelPool/ViT-B-32_TA8
+    taskpool=OpenCLIPVisionModelTaskPool/ViT-B-32_TA8` composes with no connection (it cannot run here: the
+    checkpoints and datasets are downloads). This repository's config/ is put on the search path explicitly."""
+    import socket
+    from pathlib import Path
+
+    import fusion_bench_config
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a network connection was attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    repo_config = Path(__file__).resolve().parents[1] / "config"
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+            cfg = compose("fabric_model_fusion", overrides=[
+                f"hydra.searchpath=[file://{repo_config}]", f"method=featcal/{name}",
+                "modelpool=OpenCLIPVisionModelPool/ViT-B-32_TA8", "taskpool=OpenCLIPVisionModelTaskPool/ViT-B-32_TA8",
+            ])
+            clip = compose("fabric_model_fusion", overrides=[
+                f"hydra.searchpath=[file://{repo_config}]", f"method=featcal/{name.replace('openclip_', 'clip_')}",
+            ])
+    finally:
+        GlobalHydra.instance().clear()
+    assert cfg.method == clip.method  # the same method and upstream as the CLIP config it composes from
+    assert cfg.method._target_ == "featcal_fusionbench.FeatCalAlgorithm"
+    assert cfg.modelpool._target_ == "fusion_bench.modelpool.OpenCLIPVisionModelPool"
+    assert cfg.modelpool.models._pretrained_.model_name == "ViT-B-32"
+    assert cfg.taskpool._target_ == "fusion_bench.taskpool.OpenCLIPVisionModelTaskPool"
+    upstream = {"openclip_ta": "TaskArithmeticAlgorithm", "openclip_simple_average": "SimpleAverageAlgorithm",
+                "openclip_wudi": "WUDIMerging"}[name]
+    assert cfg.method.upstream._target_.endswith(upstream)
