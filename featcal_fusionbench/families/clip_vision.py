@@ -71,24 +71,47 @@ class CLIPImageFeatureSite(FeatureSite):
         return embeds / embeds.norm(p=2, dim=-1, keepdim=True)
 
 
-@register_family
-class CLIPVisionFamily(ModelFamily):
-    """Options:
-        last_block_patch_token_weight: weight of patch tokens in the last block's statistics for every
-            site but k/v (the CLS token keeps weight 1). 1.0 is the paper's uniform weighting; the
-            authors' demo uses 0.01, because only the CLS output of the last block reaches the pooled
-            feature.
-    """
+class LastBlockPatchWeighting:
+    """The CLIP families' option: weight of patch tokens in the last block's statistics for every site but k/v
+    (``kv_sites``; the CLS token keeps weight 1). 1.0 is the paper's uniform weighting; the authors' demo uses 0.01,
+    because only the CLS output of the last block reaches the pooled feature."""
 
-    name = "clip_vision"
     options = {"last_block_patch_token_weight": 1.0}
+    kv_sites: Tuple[str, ...] = _KV_MODULES
 
     def check_option(self, name, value):
-        return self.non_negative_number(name, value)
+        return ModelFamily.non_negative_number(name, value)
 
     @property
     def last_block_patch_token_weight(self) -> float:
         return float(self.option_values["last_block_patch_token_weight"])
+
+    def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
+        if (
+            block_index == num_blocks - 1
+            and self.last_block_patch_token_weight != 1.0
+            and site_name not in self.kv_sites
+        ):
+            return CLS_WEIGHTED
+        return UNIFORM
+
+    def token_axis(self, meta) -> int:
+        """The axis of hidden states that counts tokens (the CLS token is its first)."""
+        return 1
+
+    def token_weights(self, profile, hidden, meta) -> Optional[Tensor]:
+        if profile == UNIFORM:
+            return None
+        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, device=hidden.device)
+        weights.select(self.token_axis(meta), 0).fill_(1.0)
+        return weights
+
+
+@register_family
+class CLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
+    """Options: ``last_block_patch_token_weight`` (``LastBlockPatchWeighting``)."""
+
+    name = "clip_vision"
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
@@ -121,22 +144,6 @@ class CLIPVisionFamily(ModelFamily):
             elif isinstance(module, nn.LayerNorm):
                 found[name] = LayerNormSite(module)
         return found
-
-    def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
-        if (
-            block_index == num_blocks - 1
-            and self.last_block_patch_token_weight != 1.0
-            and site_name not in _KV_MODULES
-        ):
-            return CLS_WEIGHTED
-        return UNIFORM
-
-    def token_weights(self, profile, hidden, meta) -> Optional[Tensor]:
-        if profile == UNIFORM:
-            return None
-        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, device=hidden.device)
-        weights[:, 0] = 1.0
-        return weights
 
     def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Tensor]:
         from fusion_bench.dataset.image_dataset import ImageClassificationDataset

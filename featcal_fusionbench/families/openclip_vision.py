@@ -13,14 +13,14 @@ trained with QuickGELU: ``check_models`` refuses such a pool (see ``activation_m
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import register_family
-from .base import UNIFORM, ModelFamily, batch_loader
-from .clip_vision import CLS_WEIGHTED
+from .base import ModelFamily, batch_loader
+from .clip_vision import LastBlockPatchWeighting
 from .sites import SCALE, LayerNormSite, LinearSite, MHAOutProjSite, NormSite, mha_in_proj_sites
 
 try:  # open_clip is a dependency of the package, but an import failure must not hide the other families
@@ -28,9 +28,6 @@ try:  # open_clip is a dependency of the package, but an import failure must not
     from open_clip.transformer import LayerScale, QuickGELU, ResidualAttentionBlock, VisionTransformer
 except ImportError:  # pragma: no cover - exercised only without open_clip
     open_clip = None
-
-# k and v of patch tokens still feed the CLS token's attention in the last block (as in the HF CLIP family).
-_KV_SITES = ("attn.in_proj.k", "attn.in_proj.v")
 
 
 def image_encoder_class():
@@ -130,21 +127,11 @@ class LayerScaleSite(NormSite):
 
 
 @register_family
-class OpenCLIPVisionFamily(ModelFamily):
-    """Options:
-        last_block_patch_token_weight: as in the HF CLIP family: weight of patch tokens in the last block's
-            statistics for every site but k/v (the CLS token keeps weight 1); 1.0 is the paper's uniform weighting.
-    """
+class OpenCLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
+    """Options: ``last_block_patch_token_weight``, exactly as in the HF CLIP family (``LastBlockPatchWeighting``)."""
 
     name = "openclip_vision"
-    options = {"last_block_patch_token_weight": 1.0}
-
-    def check_option(self, name, value):
-        return self.non_negative_number(name, value)
-
-    @property
-    def last_block_patch_token_weight(self) -> float:
-        return float(self.option_values["last_block_patch_token_weight"])
+    kv_sites = ("attn.in_proj.k", "attn.in_proj.v")
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
@@ -209,20 +196,8 @@ class OpenCLIPVisionFamily(ModelFamily):
             found["ls_2"] = LayerScaleSite(block.ls_2)
         return found
 
-    def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
-        if block_index == num_blocks - 1 and self.last_block_patch_token_weight != 1.0 and site_name not in _KV_SITES:
-            return CLS_WEIGHTED
-        return UNIFORM
-
-    def token_weights(self, profile, hidden, batch_first: bool) -> Optional[Tensor]:
-        if profile == UNIFORM:
-            return None
-        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, device=hidden.device)
-        if batch_first:
-            weights[:, 0] = 1.0
-        else:
-            weights[0, :] = 1.0
-        return weights
+    def token_axis(self, batch_first: bool) -> int:
+        return 1 if batch_first else 0
 
     # ---- checks, data, the baselines -----------------------------------------------------------
 
