@@ -37,10 +37,3 @@ class DriftMeter:
             return {"l2": float("nan"), "cosine": float("nan")}
         return {"l2": l2 / count, "cosine": cosine / count}
 
-
-def stream_drift(hidden, reference, masks=None, reduce=None) -> Dict[str, float]:
-    meter = DriftMeter()
-    for i, (h, r) in enumerate(zip(hidden, reference)):
-        meter.update(h, r, None if masks is None else masks[i])
-    return meter.result(reduce)
-

@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .capture import capture_inputs, group_shared_inputs
-from .drift import DriftMeter, stream_drift
+from .drift import DriftMeter
 from .hparams import FeatCalHParams
 from .lazy_models import is_lazy, materialize, release
 from .families import LINEAR, NORM_KINDS, ModelFamily, Site
 from .moments import LinearInputMoments, NormInputMoments, Reduce, check_finite
+from .streams import Stream, StreamOptions, StreamStore
 from .solver import (
     anchor,
     solve_bias,
@@ -138,12 +139,20 @@ def plan_blocks(family: ModelFamily, model: nn.Module, hparams: FeatCalHParams) 
     return plans
 
 
-@dataclass
-class Stream:
-    """One model's hidden states over one task's calibration batches."""
+def block_reserve_bytes(blocks: Iterable[nn.Module], accumulation_dtype: torch.dtype) -> int:
+    """Device memory one block's work needs beside the calibrated model, which the automatic stream budget leaves
+    free: the base's and an expert's copy of the largest block, and the statistics of its linear maps. For a weight of
+    m x d, that is a task's Gram and cross moments and the block's summed Gram (d x d each; counted per module though
+    q/k/v share theirs, so an overestimate) and two m x d targets."""
+    itemsize = torch.empty((), dtype=accumulation_dtype).element_size()
 
-    hidden: List[Tensor] = field(default_factory=list)
-    meta: List[Any] = field(default_factory=list)
+    def need(block: nn.Module) -> int:
+        params = list(block.parameters())
+        weights = 2 * sum(p.numel() * p.element_size() for p in params)
+        statistics = sum(4 * p.shape[1] ** 2 + 2 * p.numel() for p in params if p.dim() == 2) * itemsize
+        return weights + statistics
+
+    return max(need(block) for block in blocks)
 
 
 @dataclass
@@ -216,6 +225,7 @@ class FeatCalEngine:
         log_fn: Optional[LogFn] = None,
         progress: bool = True,
         profile: bool = False,
+        streams: Optional[StreamOptions] = None,
     ):
         self.family = family
         self.hparams = hparams
@@ -225,29 +235,44 @@ class FeatCalEngine:
         self.log_fn = log_fn
         self.progress = progress
         self.timer = PhaseTimer(profile, self.device)
+        self.stream_options = streams or StreamOptions()
         self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
 
     # ---- streams ------------------------------------------------------------------------------
 
-    def _embed(self, model, expert, batches) -> tuple:
+    def _embed(self, model, expert, batches, store: StreamStore) -> tuple:
+        """The task's calibrated and expert streams, and the upstream one when tracked (it starts as the calibrated)."""
         family = self.family
-        cal, exp = Stream(), Stream()
+        cal, exp = store.stream(), store.stream()
+        upstream = store.stream() if self.track_upstream else None
         with on_device(family.stem_modules(expert), self.device):
             for inputs in batches:
                 with self.timer("embed"):
                     inputs = family.inputs_to(inputs, self.device)
-                    for stream, source in ((cal, model), (exp, expert)):
-                        hidden, meta = family.embed(source, inputs)
-                        stream.hidden.append(hidden)
-                        stream.meta.append(meta)
-        if not cal.hidden:
+                    embedded = [family.embed(source, inputs) for source in (model, expert)]
+                for stream, (hidden, meta) in zip((cal, exp), embedded):
+                    stream.append(hidden, meta)
+                if upstream is not None:
+                    upstream.append(*embedded[0])
+        if not len(cal):
             raise ValueError("a task produced no calibration batches")
-        return cal, exp
+        return cal, exp, upstream
 
     def _enter_block(self, model, index, stream: Stream) -> None:
+        if type(self.family).enter_block is ModelFamily.enter_block:
+            return  # the identity: spare fetching every spilled batch (and a lazy model's stem) for nothing
         with on_device(self.family.stem_modules(model), self.device):
-            for b, (hidden, meta) in enumerate(zip(stream.hidden, stream.meta)):
-                stream.hidden[b], stream.meta[b] = self.family.enter_block(model, index, hidden, meta)
+            for b in range(len(stream)):
+                hidden, meta = stream.get(b)
+                entered = self.family.enter_block(model, index, hidden, meta)
+                if entered[0] is not hidden or entered[1] is not meta:
+                    stream.put(b, *entered)
+
+    def _advance(self, block, stream: Stream) -> None:
+        """Run every batch of ``stream`` through ``block``."""
+        for b in range(len(stream)):
+            hidden, meta = stream.get(b)
+            stream.put(b, self.family.run_block(block, hidden, meta))
 
     # ---- one block ----------------------------------------------------------------------------
 
@@ -262,23 +287,28 @@ class FeatCalEngine:
         norm_moments: Dict[str, NormInputMoments] = {}
         before = DriftMeter()
         cal, exp, upstream = streams
-        for b in range(len(cal.hidden)):
+        for b in range(len(cal)):
+            hidden, meta = cal.get(b)
             with self.timer("snapshot forward"), capture_inputs({n: cal_sites[n] for n in watched}) as cap_cal:
-                uncalibrated = family.run_block(block, cal.hidden[b], cal.meta[b])
+                uncalibrated = family.run_block(block, hidden, meta)
+            exp_hidden, exp_meta = exp.get(b)
             exp_out: Dict[str, Tensor] = {}
             with self.timer("expert forward"), capture_inputs({n: exp_sites[n] for n in linear}, exp_out) as cap_exp:
-                exp.hidden[b] = family.run_block(expert_block, exp.hidden[b], exp.meta[b])
+                exp_hidden = family.run_block(expert_block, exp_hidden, exp_meta)
+            exp.put(b, exp_hidden)
             with self.timer("drift"):
-                before.update(uncalibrated, exp.hidden[b], family.valid_token_mask(cal.meta[b], uncalibrated))
+                before.update(uncalibrated, exp_hidden, family.valid_token_mask(meta, uncalibrated))
             if upstream is not None:
                 # The block still holds its merged weights: this advances the upstream trajectory.
+                up_hidden, up_meta = upstream.get(b)
                 with self.timer("upstream forward"):
-                    upstream.hidden[b] = family.run_block(block, upstream.hidden[b], upstream.meta[b])
+                    up_hidden = family.run_block(block, up_hidden, up_meta)
+                upstream.put(b, up_hidden)
             with self.timer("moments"):
                 if groups is None:
                     groups = self._group_linears(plan, cap_cal, linear, num_blocks)
                 self._accumulate(
-                    plan, groups, cap_cal, cap_exp, exp_out, cal.hidden[b], cal.meta[b], cal_sites,
+                    plan, groups, cap_cal, cap_exp, exp_out, hidden, meta, cal_sites,
                     norms, num_blocks, linear_moments, norm_moments,
                 )
         return groups, linear_moments, norm_moments, before
@@ -418,76 +448,27 @@ class FeatCalEngine:
         num_blocks = len(blocks)
 
         started = time.perf_counter()
-        streams: Dict[str, tuple] = {}
-        for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
-            cal, exp = self._embed(model, experts[task], task_batches[task])
-            upstream = Stream(list(cal.hidden), list(cal.meta)) if self.track_upstream else None
-            streams[task] = (cal, exp, upstream)
+        options = self.stream_options
+        budget = options.device_budget(self.device, block_reserve_bytes(blocks, hp.torch_accumulation_dtype))
+        # Leaving the store drops every stream and removes its spill folder, also when calibration raises.
+        with StreamStore(self.device, budget, options.spill, options.spill_dir, timer=self.timer) as store:
+            streams: Dict[str, tuple] = {}
+            for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
+                streams[task] = self._embed(model, experts[task], task_batches[task], store)
 
-        report_blocks = []
-        bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
-        for index in bar:
-            block_started = time.perf_counter()
-            plan = plans[index]
-            block = blocks[index]
-            for task in tasks:
-                cal, exp, upstream = streams[task]
-                self._enter_block(model, index, cal)
-                self._enter_block(experts[task], index, exp)
-                if upstream is not None:
-                    self._enter_block(model, index, upstream)
-
-            sums, groups = _BlockSums(), None
-            before_meters: Dict[str, Any] = {}
-            if plan.modules:
-                for task in tasks:
-                    expert_block = expert_blocks[task][index]
-                    exp_sites = family.sites(expert_block)
-                    with on_device([expert_block], self.device):
-                        groups, lin, norms, before_meters[task] = self._snapshot_task(
-                            plan, block, expert_block, exp_sites, streams[task], num_blocks, groups
-                        )
-                        with self.timer("moments"):
-                            self._fold_task(plan, task, groups, lin, norms, exp_sites, sums)
-                with self.timer("solve"), on_device([base_blocks[index]], self.device):
-                    methods = self._solve_block(plan, base_blocks[index], sums, groups)
-            else:
-                # Nothing to fit here, but the expert and upstream trajectories still advance.
-                methods = {}
-                for task in tasks:
-                    _, exp, upstream = streams[task]
-                    with on_device([expert_blocks[task][index]], self.device):
-                        for b in range(len(exp.hidden)):
-                            exp.hidden[b] = family.run_block(expert_blocks[task][index], exp.hidden[b], exp.meta[b])
-                    if upstream is not None:
-                        for b in range(len(upstream.hidden)):
-                            upstream.hidden[b] = family.run_block(block, upstream.hidden[b], upstream.meta[b])
-            del sums
-
-            drift = {}
-            for task in tasks:
-                cal, exp, upstream = streams[task]
-                with self.timer("advance"):
-                    for b in range(len(cal.hidden)):
-                        cal.hidden[b] = family.run_block(block, cal.hidden[b], cal.meta[b])
-                with self.timer("drift"):
-                    masks = [family.valid_token_mask(m, h) for m, h in zip(cal.meta, cal.hidden)]
-                    drift[task] = {"after": stream_drift(cal.hidden, exp.hidden, masks, self.reduce)}
-                    if task in before_meters:
-                        drift[task]["before"] = before_meters[task].result(self.reduce)
-                    if upstream is not None:
-                        drift[task]["upstream"] = stream_drift(upstream.hidden, exp.hidden, masks, self.reduce)
-            entry = {
-                "block": index,
-                "modules": [full for full, _ in plan.modules.values()],
-                "solver": methods,
-                "seconds": time.perf_counter() - block_started,
-                "drift": drift,
-            }
-            report_blocks.append(entry)
-            self._log_block(entry)
-            mean_after = sum(d["after"]["cosine"] for d in drift.values()) / len(drift)
-            bar.set_postfix(cos_after=f"{mean_after:.4f}")
+            report_blocks = []
+            bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
+            for index in bar:
+                entry = self._calibrate_block(
+                    plans[index], model, blocks[index], base_blocks[index], experts,
+                    {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks,
+                )
+                report_blocks.append(entry)
+                self._log_block(entry)
+                drift = entry["drift"]
+                mean_after = sum(d["after"]["cosine"] for d in drift.values()) / len(drift)
+                bar.set_postfix(cos_after=f"{mean_after:.4f}")
+            stream_report = {**store.report(), "device_budget": "auto" if options.auto else "option"}
 
         return {
             "family": family.name,
@@ -497,7 +478,70 @@ class FeatCalEngine:
             "seconds": time.perf_counter() - started,
             "phase_seconds": dict(self.timer.seconds) if self.timer.enabled else None,
             "statistics_bytes": self.statistics_bytes,
+            "streams": stream_report,
             "blocks": report_blocks,
+        }
+
+    def _calibrate_block(self, plan, model, block, base_block, experts, expert_blocks, streams, num_blocks):
+        """Snapshot, solve and load one block, then advance the streams past it; return the block's report entry."""
+        family = self.family
+        index = plan.index
+        block_started = time.perf_counter()
+        for task, (cal, exp, upstream) in streams.items():
+            self._enter_block(model, index, cal)
+            self._enter_block(experts[task], index, exp)
+            if upstream is not None:
+                self._enter_block(model, index, upstream)
+
+        sums, groups = _BlockSums(), None
+        before_meters: Dict[str, Any] = {}
+        if plan.modules:
+            for task, expert_block in expert_blocks.items():
+                exp_sites = family.sites(expert_block)
+                with on_device([expert_block], self.device):
+                    groups, lin, norms, before_meters[task] = self._snapshot_task(
+                        plan, block, expert_block, exp_sites, streams[task], num_blocks, groups
+                    )
+                    with self.timer("moments"):
+                        self._fold_task(plan, task, groups, lin, norms, exp_sites, sums)
+            with self.timer("solve"), on_device([base_block], self.device):
+                methods = self._solve_block(plan, base_block, sums, groups)
+        else:
+            # Nothing to fit here, but the expert and upstream trajectories still advance.
+            methods = {}
+            for task, (_, exp, upstream) in streams.items():
+                with on_device([expert_blocks[task]], self.device):
+                    self._advance(expert_blocks[task], exp)
+                if upstream is not None:
+                    self._advance(block, upstream)
+        del sums
+
+        drift = {}
+        for task, (cal, exp, upstream) in streams.items():
+            after, beside = DriftMeter(), DriftMeter()
+            for b in range(len(cal)):
+                hidden, meta = cal.get(b)
+                with self.timer("advance"):
+                    hidden = family.run_block(block, hidden, meta)
+                cal.put(b, hidden)
+                reference = exp.hidden(b)
+                upstream_hidden = None if upstream is None else upstream.hidden(b)
+                with self.timer("drift"):
+                    mask = family.valid_token_mask(meta, hidden)
+                    after.update(hidden, reference, mask)
+                    if upstream_hidden is not None:
+                        beside.update(upstream_hidden, reference, mask)
+            drift[task] = {"after": after.result(self.reduce)}
+            if task in before_meters:
+                drift[task]["before"] = before_meters[task].result(self.reduce)
+            if upstream is not None:
+                drift[task]["upstream"] = beside.result(self.reduce)
+        return {
+            "block": index,
+            "modules": [full for full, _ in plan.modules.values()],
+            "solver": methods,
+            "seconds": time.perf_counter() - block_started,
+            "drift": drift,
         }
 
     def _log_block(self, entry: Dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from featcal_fusionbench.families.openclip_vision import OpenCLIPVisionFamily
 from featcal_fusionbench.families.t5 import T5Family
 from featcal_fusionbench.families.sites import first_tensor
 from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.streams import StreamOptions
 from fusion_bench.utils import instantiate
 
 from fused_family import FusedAttentionFamily, tiny_fused
@@ -96,10 +97,13 @@ CASES = [
 SURGERY_CASES = [c for c in CASES if c.pools]
 
 
-def calibrate(case: Case, merged, base, experts, data, family_options=None, **overrides):
+def calibrate(case: Case, merged, base, experts, data, family_options=None, engine=None, **overrides):
+    """``overrides`` are hyperparameters; ``engine`` holds FeatCalEngine's keyword options."""
     hp = FeatCalHParams(**{"num_calibration_examples": case.examples, "batch_size": 4, **overrides})
     family = case.family(**(family_options or {}))
-    report = FeatCalEngine(family, hp, "cpu", progress=False).run(merged, base, experts, {t: iter(v) for t, v in data.items()})
+    report = FeatCalEngine(family, hp, "cpu", progress=False, **(engine or {})).run(
+        merged, base, experts, {t: iter(v) for t, v in data.items()}
+    )
     return merged, report
 
 
@@ -289,6 +293,28 @@ def test_base_and_experts_read_block_by_block_from_their_checkpoints_calibrate_t
     lazily, _ = calibrate(lazy_case, copy.deepcopy(merged), lazy["base"], {t: lazy[t] for t in experts}, data)
     assert_same_state(lazily, eager)
     assert all(p.is_meta for m in lazy.values() for p in m.parameters())  # nothing left resident
+
+
+@pytest.mark.parametrize("spill", ["host", "disk"])
+def test_streams_spilled_beyond_a_budget_calibrate_bit_identically(case, spill, tmp_path):
+    """``stream_device_bytes`` / ``stream_spill``: with no stream byte on the device, or half of them, the batches
+    beyond the budget go to host memory or disk and come back exactly, metadata included (T5's decoder state,
+    Llama's masks and rotary tables): the same parameters and drift, bit for bit. The upstream stream is tracked so
+    that all three streams of a task are spilled."""
+    base, experts, merged, data = case.world()
+    whole, whole_report = calibrate(case, copy.deepcopy(merged), base, experts, data, engine={"track_upstream": True})
+    held = whole_report["streams"]["peak_resident_bytes"]
+    assert held > 0 and whole_report["streams"]["peak_spilled_bytes"] == 0  # unbounded on CPU by default
+    for budget in (0, held // 2):
+        options = StreamOptions(budget, spill, str(tmp_path))
+        spilled, report = calibrate(case, copy.deepcopy(merged), base, experts, data,
+                                    engine={"track_upstream": True, "streams": options})
+        assert_same_state(spilled, whole, f"budget {budget}: ")
+        assert [b["drift"] for b in report["blocks"]] == [b["drift"] for b in whole_report["blocks"]]
+        streams = report["streams"]
+        assert streams["peak_resident_bytes"] <= budget < held and streams["peak_spilled_bytes"] > 0
+        assert streams["spill_read_bytes"] > 0
+    assert not any(tmp_path.iterdir())  # the disk spill's folder is gone
 
 
 def test_an_unknown_model_and_a_second_family_of_the_same_name_are_refused():
