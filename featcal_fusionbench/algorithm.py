@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
@@ -15,6 +15,7 @@ from .engine import FeatCalEngine, plan_blocks
 from .families import check_option_names, family_for
 from .hparams import DEFAULTS, FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
+from .streams import StreamOptions
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,11 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     ``{"upstream": ..., "featcal": ...}``. ``family_options`` go to the model's
     family (e.g. CLIP's ``last_block_patch_token_weight``). ``lazy_loading``:
     the base and experts are read from their safetensors checkpoints one block
-    at a time, so that only the merged model is held whole.
+    at a time, so that only the merged model is held whole. ``stream_device_bytes``
+    (bytes, or e.g. "8GB"; null / "auto": from the device's free memory, unbounded on
+    CPU) bounds the hidden-state streams kept on the device; batches beyond it go to
+    ``stream_spill`` ("host": pinned host memory; "disk": a temporary folder in
+    ``stream_spill_dir``, removed at the end).
     """
 
     method_name = "FeatCal"
@@ -61,6 +66,9 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
         lazy_loading: bool = False,
+        stream_device_bytes: Union[None, int, str] = None,
+        stream_spill: str = "host",
+        stream_spill_dir: Optional[str] = None,
         last_block_patch_token_weight: Optional[float] = None,
         **kwargs,
     ):
@@ -68,6 +76,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         # Validates every hyperparameter now, before any model or data is loaded.
         arguments = locals()
         self.featcal_hparams = FeatCalHParams(**{k: arguments[k] for k in FeatCalHParams.__dataclass_fields__})
+        self.stream_options = StreamOptions(stream_device_bytes, stream_spill, stream_spill_dir)
         self.family_options = _family_options(family_options, last_block_patch_token_weight)
         check_option_names(self.family_options)
 
@@ -104,6 +113,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             track_upstream=self.track_upstream_drift,
             log_fn=self.log_metrics if self.fabric.is_global_zero else None,
             progress=self.fabric.is_global_zero,
+            streams=self.stream_options,
         )
         batches = {t: family.batches(modelpool, datasets[t], hp.batch_size) for t in tasks}
         with self.profile("calibration"):
