@@ -44,6 +44,7 @@ def test_the_llm_memory_bench_runs_both_loading_modes_at_a_tiny_llama_shape(tmp_
                     "save_peak_rss_during_bytes"):
             assert result[key] > 0, key
         assert result["peak_device_bytes"] is None
+        assert result["streams"]["device_budget_bytes"] is None and result["streams"]["peak_resident_bytes"] > 0
     lazy, eager = bench["results"]
     assert lazy["last_block_cosine"] == eager["last_block_cosine"]
     index = json.loads((tmp_path / "ckpt" / "base" / "model.safetensors.index.json").read_text())["weight_map"]

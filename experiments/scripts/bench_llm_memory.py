@@ -18,6 +18,8 @@ stream FeatCal advances (calibrated and expert), with nothing read from disk. Wr
 - ``peak_device_bytes``;
 - ``model_bytes``: one model's parameters;
 - ``statistics_bytes``: one task's moments plus a block's sums;
+- ``streams``: the hidden-state streams' device budget and peak resident / spilled bytes (``--stream-device-bytes``,
+  ``--stream-spill``: ``method.stream_device_bytes`` / ``method.stream_spill``);
 - ``save_*``: saving the calibrated model with ``save_pretrained`` in ``--max-shard-size`` shards, as
   ``merged_model_save_path`` does. The RSS is taken before and during the save, so any second copy shows.
 """
@@ -135,6 +137,7 @@ def worker(args) -> dict:
     from featcal_fusionbench.families.causal_lm import CausalLMFamily
     from featcal_fusionbench.hparams import FeatCalHParams
     from featcal_fusionbench.lazy_models import load_lazily
+    from featcal_fusionbench.streams import StreamOptions
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     paths = {n: Path(args.workdir) / n for n in ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]}
@@ -148,7 +151,8 @@ def worker(args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size, rho=0.5, alpha=0.15, lambda_=1e-5)
-    engine = FeatCalEngine(CausalLMFamily(), hp, device, progress=False, profile=args.profile)
+    streams = StreamOptions(args.stream_device_bytes, args.stream_spill, args.stream_spill_dir)
+    engine = FeatCalEngine(CausalLMFamily(), hp, device, progress=False, profile=args.profile, streams=streams)
     with RSSSampler() as rss:
         started = time.perf_counter()
         report = engine.run(merged, base, experts, {t: iter(b) for t, b in batches.items()})
@@ -168,6 +172,7 @@ def worker(args) -> dict:
         **stage_figures(seconds, floor, rss, device),
         "model_bytes": model_bytes(merged),
         "statistics_bytes": report["statistics_bytes"],
+        "streams": report["streams"],
         "save_seconds": save_seconds,
         "save_rss_before_bytes": saving.start_bytes,
         "save_peak_rss_during_bytes": saving.peak_bytes,
@@ -189,6 +194,9 @@ def main():
     parser.add_argument("--modes", default=",".join(MODES), help="lazy, eager or both (each in its own process)")
     parser.add_argument("--workdir", help="where the checkpoints are written (reused when they match); default: "
                         "~/.cache/featcal-fusionbench/bench/<arch>-<tasks>-<dtype>")
+    parser.add_argument("--stream-device-bytes", help="budget of stream bytes on the device (e.g. 0, 2GB); default auto")
+    parser.add_argument("--stream-spill", default="host", help="where streams beyond the budget go: host or disk")
+    parser.add_argument("--stream-spill-dir", help="where disk spill makes its temporary folder")
     parser.add_argument("--profile", action="store_true", help="FeatCal's seconds per phase (embed, moments, solve, ...)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -198,6 +206,12 @@ def main():
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
     if min(args.tasks, args.n, args.seq_len, args.batch_size) < 1:
         parser.error("--tasks, --n, --seq-len and --batch-size must be >= 1")
+    try:
+        from featcal_fusionbench.streams import StreamOptions
+
+        StreamOptions(args.stream_device_bytes, args.stream_spill, args.stream_spill_dir)
+    except ValueError as err:
+        parser.error(str(err))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device is available")
     if args.workdir is None:
@@ -222,10 +236,15 @@ def main():
               + (f"  peak device {result['peak_device_bytes'] / gib:.2f} GiB" if result["peak_device_bytes"] else ""))
         if result["phase_seconds"]:
             print("       " + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(result["phase_seconds"].items(), key=lambda kv: -kv[1])))
+        streams = result["streams"]
+        budget = "unbounded" if streams["device_budget_bytes"] is None else f"{streams['device_budget_bytes'] / gib:.2f} GiB"
+        print(f"       streams: budget {budget}, peak resident {streams['peak_resident_bytes'] / gib:.2f} GiB, "
+              f"spilled ({streams['spill']}) {streams['peak_spilled_bytes'] / gib:.2f} GiB")
         print(f"       saving ({args.max_shard_size} shards) {result['save_seconds']:.1f} s, RSS "
               f"{result['save_rss_before_bytes'] / gib:.2f} -> {result['save_peak_rss_during_bytes'] / gib:.2f} GiB")
     summary = {**provenance(__file__, args.device), "arch": args.arch, "tasks": args.tasks, "n": args.n,
                "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
+               "stream_device_bytes": args.stream_device_bytes, "stream_spill": args.stream_spill,
                "results": results}
     if args.json:
         write_json(args.json, summary)
