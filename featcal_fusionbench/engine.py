@@ -11,7 +11,8 @@ For each block, in forward order:
   3. load all of the block's new parameters together, and only then advance the
      calibrated hidden states through the calibrated block.
 Experts and the base model stay where they are (host memory); only the block in
-use visits the device. Everything model-specific comes from the model family
+use visits the device. Every task's hidden-state streams live in a ``StreamStore``
+(``streams``): on the device within a byte budget, spilled to host or disk beyond it. Everything model-specific comes from the model family
 (``families``): the walk, the calibrated sites and their parameters, token weights.
 """
 

@@ -50,6 +50,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 def parse_bytes(value: Union[int, str]) -> int:
     """A byte count: an integer, or a string with a decimal or binary unit ("8GB", "512MiB")."""
+    if isinstance(value, float) and value.is_integer():  # YAML reads 8e9 as a float
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"a byte count must be >= 0, got {value}")

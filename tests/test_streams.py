@@ -15,6 +15,7 @@ import torch
 from featcal_fusionbench import FeatCalAlgorithm
 from featcal_fusionbench.algorithm import REPORT_NAME
 from featcal_fusionbench.engine import FeatCalEngine, block_reserve_bytes
+from featcal_fusionbench.families.causal_lm import CausalLMFamily
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
 from featcal_fusionbench.hparams import FeatCalHParams
 from featcal_fusionbench.streams import StreamOptions, StreamStore, auto_device_budget, parse_bytes, tree_bytes
@@ -147,8 +148,6 @@ def test_the_automatic_budget_is_unbounded_on_the_host_and_a_share_of_free_cuda_
 def test_the_reserve_covers_the_statistics_a_block_holds():
     """The automatic budget leaves a block's statistics free: the estimate is at least what the engine measured."""
     base, experts, merged, data = tiny_causal_lm_world("llama")
-    from featcal_fusionbench.families.causal_lm import CausalLMFamily
-
     family = CausalLMFamily()
     hp = FeatCalHParams(num_calibration_examples=8, batch_size=4)
     report = FeatCalEngine(family, hp, "cpu", progress=False).run(
@@ -159,7 +158,7 @@ def test_the_reserve_covers_the_statistics_a_block_holds():
     assert block_reserve_bytes(blocks, torch.float32) - weights >= report["statistics_bytes"] > 0
 
 
-@pytest.mark.parametrize("text, value", [(0, 0), (4096, 4096), ("0", 0), ("8GB", 8 * 10**9), ("1.5 MiB", 3 * 2**19)])
+@pytest.mark.parametrize("text, value", [(0, 0), (4096, 4096), ("0", 0), ("8GB", 8 * 10**9), ("1.5 MiB", 3 * 2**19), (8e9, 8 * 10**9)])
 def test_byte_counts_are_read_with_their_units(text, value):
     assert parse_bytes(text) == value
 
@@ -191,4 +190,28 @@ def test_the_method_spills_to_disk_calibrates_the_same_and_reports_the_streams(t
     streams = json.loads(report_path.read_text())["streams"]
     assert streams["device_budget_bytes"] == 0 and streams["device_budget"] == "option" and streams["spill"] == "disk"
     assert streams["peak_resident_bytes"] == 0 and streams["peak_spilled_bytes"] > 0
+    assert not any(spill_dir.iterdir())
+
+
+def test_the_stream_options_reach_the_method_from_the_command_line(tiny_llama_pool, tmp_path):
+    """`method.stream_device_bytes=1KiB method.stream_spill=disk` through Hydra on a tiny Llama pool: the batches
+    spilled, the calibrated model the same, bit for bit."""
+    from safetensors.torch import load_file
+
+    from test_causal_lm import fusion_bench_run
+
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    common = ("method=featcal/causal_lm_ta", "method.num_calibration_examples=8", "method.batch_size=4",
+              tiny_llama_pool["search"], "modelpool=tiny_llama", "taskpool=dummy")
+    runs = {"whole": (), "spilled": ("method.stream_device_bytes=1KiB", "method.stream_spill=disk",
+                                     f"method.stream_spill_dir={spill_dir}")}
+    for name, options in runs.items():
+        fusion_bench_run(tmp_path, *common, *options, f"path.log_dir={tmp_path / name}",
+                         f"merged_model_save_path={tmp_path / name / 'calibrated'}")
+    whole, spilled = (load_file(tmp_path / name / "calibrated" / "model.safetensors") for name in runs)
+    assert whole.keys() == spilled.keys() and all(torch.equal(whole[k], spilled[k]) for k in whole)
+    streams = json.loads((tmp_path / "spilled" / "featcal_report.json").read_text())["streams"]
+    assert streams["device_budget_bytes"] == 1024 and streams["spill"] == "disk"
+    assert streams["peak_resident_bytes"] <= 1024 < streams["peak_spilled_bytes"]
     assert not any(spill_dir.iterdir())
