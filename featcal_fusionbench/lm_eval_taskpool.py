@@ -74,7 +74,9 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
             model whose per-task map a Surgery / ProbSurgery model applies on that task (default: the task's name;
             ``null``: none, the merged model unchanged, as for a task that no expert was trained for).
         include_path: a folder of task YAMLs (local tasks over local files).
-        tokenizer: path, hub name or ``_target_`` config; default: the model's ``name_or_path``.
+        tokenizer: path, hub name or ``_target_`` config; default: the model pool's tokenizer in a FusionBench run
+            (a merged model saved without one, read back by ``method.merged_model_path``, has none of its own),
+            else the model's ``name_or_path``.
         apply_chat_template: format prompts with the tokenizer's chat template (few-shot examples as turns).
         limit: examples per task (an int, or a fraction); ``None`` for all.
         confirm_run_unsafe_code: run generated code (HumanEval+, MBPP+, code tasks); sets ``HF_ALLOW_CODE_EVAL``.
@@ -154,8 +156,15 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
 
         # A per-task wrapper keeps its hook on the inner model's lm_head: lm-eval drives the inner model.
         inner = model.model if getattr(model, "is_surgery_model", False) else model
-        tokenizer = load_tokenizer(self._tokenizer) if self._tokenizer is not None else inner.name_or_path
-        return HFLM(pretrained=inner, tokenizer=tokenizer, batch_size=self.batch_size)
+        return HFLM(pretrained=inner, tokenizer=self._tokenizer_for(inner), batch_size=self.batch_size)
+
+    def _tokenizer_for(self, model):
+        if self._tokenizer is not None:
+            return load_tokenizer(self._tokenizer)
+        pool = getattr(getattr(self, "_program", None), "modelpool", None)
+        if getattr(pool, "tokenizer", None) is not None and hasattr(pool, "load_tokenizer"):  # a CausalLMPool
+            return pool.load_tokenizer()
+        return model.name_or_path
 
     def evaluate(self, model, name: Optional[str] = None) -> Dict[str, Any]:
         from lm_eval import simple_evaluate

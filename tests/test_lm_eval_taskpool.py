@@ -60,6 +60,25 @@ def test_a_per_task_wrapper_sees_the_expert_named_for_each_task(tiny_llama_pool,
         tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path), tasks=["tiny_sums"]).evaluate(spy)
 
 
+def test_a_merged_model_saved_without_a_tokenizer_is_scored_with_the_model_pools(tiny_llama_pool, tmp_path):
+    """`merged_model_save_path` writes the model alone; a calibrator reading it back (`method.merged_model_path`)
+    hands the task pool a model whose folder has no tokenizer: the run's model pool has the one to use."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama_pool["base"].save_pretrained(tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    modelpool = instantiate(OmegaConf.load(f"{tiny_llama_pool['config_dir']}/modelpool/tiny_llama.yaml"))
+    tasks = {"tiny_sums": {"metric": "exact_match,none", "expert": None}}
+    expected = tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path / "a"), tasks=tasks).evaluate(merged)
+    taskpool = tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path / "b"), tasks=tasks, tokenizer=None)
+    with pytest.raises(AttributeError):  # what transformers says of a folder without a tokenizer
+        taskpool.evaluate(merged)
+    taskpool._program = SimpleNamespace(modelpool=modelpool)
+    assert taskpool.evaluate(merged)["tiny_sums"] == expected["tiny_sums"]
+
+
 def test_tasks_are_parsed_and_bad_ones_named():
     assert parse_tasks(["a", "b"]) == {"a": {"metric": None, "expert": "a"}, "b": {"metric": None, "expert": "b"}}
     assert parse_tasks({"a": {"metric": "acc,none", "expert": None}}) == {"a": {"metric": "acc,none", "expert": None}}
