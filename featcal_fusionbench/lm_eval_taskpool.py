@@ -24,7 +24,8 @@ from fusion_bench.mixins import LightningFabricMixin
 from fusion_bench.taskpool import BaseTaskPool
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .text_taskpool import active_task, load_tokenizer
+from .baselines.modules import active_task
+from .text_taskpool import load_tokenizer
 
 log = logging.getLogger(__name__)
 

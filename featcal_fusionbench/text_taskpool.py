@@ -11,7 +11,6 @@ a model with ``is_surgery_model`` gets ``active_task`` set before each task is e
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from typing import Any, Dict, Optional, Sequence
 
 from fusion_bench.mixins import LightningFabricMixin
@@ -21,6 +20,8 @@ from fusion_bench.utils import instantiate
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, default_data_collator
+
+from .baselines.modules import active_task
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +36,6 @@ def load_tokenizer(tokenizer: Any):
     if isinstance(tokenizer, (dict, DictConfig)):
         return instantiate(tokenizer)
     return tokenizer
-
-
-@contextmanager
-def active_task(model, task: str):
-    """Tell a per-task wrapper which task's map to apply while ``task`` is evaluated."""
-    if not getattr(model, "is_surgery_model", False):
-        yield
-        return
-    previous = getattr(model, "active_task", None)
-    model.active_task = task
-    try:
-        yield
-    finally:
-        model.active_task = previous
 
 
 class TextGenerationTaskPool(LightningFabricMixin, BaseTaskPool):

@@ -76,9 +76,9 @@ def test_the_configs_are_the_expected_ones():
             assert f"{family}/{setting}" in METHOD_CONFIGS
     assert {"featcal/clip_ta_demo", "featcal/flan_t5_large_ta", "featcal/causal_lm_ta", "featcal/mergebench_llama3.2_3b_ta",
             "featcal/mergebench_llama3.1_8b_ta"} <= set(METHOD_CONFIGS)
-    # OpenCLIP: FeatCal only (Surgery cannot be evaluated by FusionBench's OpenCLIP task pool), no AdaMerging
-    assert sorted(n for n in METHOD_CONFIGS if "openclip" in n) == [
-        "featcal/openclip_simple_average", "featcal/openclip_ta", "featcal/openclip_wudi"]
+    # OpenCLIP: every method after TA, Simple Averaging and WUDI; no AdaMerging (it needs the HF CLIP pool)
+    assert sorted(n for n in METHOD_CONFIGS if "openclip" in n) == sorted(
+        f"{m}/openclip_{s}" for m in ("featcal", "surgery", "probsurgery") for s in ("simple_average", "ta", "wudi"))
 
 
 @pytest.mark.parametrize("name", CALIBRATORS)

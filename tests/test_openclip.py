@@ -4,10 +4,8 @@ its layer-scale solve. (The family contract, tests/test_family_contract.py, runs
 from __future__ import annotations
 
 import copy
-import typing
 
 import pytest
-import typing_extensions
 import torch
 from datasets import Dataset
 from omegaconf import OmegaConf
@@ -24,11 +22,7 @@ from featcal_fusionbench.families.openclip_vision import (
 )
 from featcal_fusionbench.hparams import FeatCalHParams
 
-if not hasattr(typing, "override"):
-    # FusionBench 0.2.33's OpenCLIP pool imports typing.override (Python >= 3.12): on 3.10 / 3.11 it cannot be
-    # imported at all (docs/families/openclip_vision.md). The tests run its code with the 3.12 decorator's
-    # backport; nothing in the package does this.
-    typing.override = typing_extensions.override
+import featcal_fusionbench.openclip_pools  # noqa: F401 - FusionBench's OpenCLIP pool imports on Python < 3.12
 from fusion_bench.modelpool import OpenCLIPVisionModelPool  # noqa: E402
 
 from helpers import tiny_clip_vision, tiny_image_encoder, tiny_openclip_world, tiny_world
@@ -162,17 +156,13 @@ def test_layer_scale_is_solved_as_a_scale_of_its_own_input():
     assert not torch.allclose(ls(model).gamma, ls(merged).gamma)
 
 
-def test_surgery_is_refused_before_anything_loads_because_the_task_pool_cannot_apply_its_maps():
-    encoder = tiny_image_encoder()
-    with pytest.raises(NotImplementedError, match="without naming the task.*upstream model's accuracy"):
-        OpenCLIPVisionFamily().feature_site(None, encoder)
-
-
-@pytest.mark.parametrize("name", ["openclip_ta", "openclip_simple_average", "openclip_wudi"])
-def test_the_issue_command_composes_offline_with_fusion_benchs_openclip_pools(name, monkeypatch):
-    """`fusion_bench method=featcal/openclip_* modelpool=OpenCLIPVisionModelPool/ViT-B-32_TA8
-    taskpool=OpenCLIPVisionModelTaskPool/ViT-B-32_TA8` composes with no connection (it cannot run here: the
-    checkpoints and datasets are downloads). This repository's config/ is put on the search path explicitly."""
+@pytest.mark.parametrize("model", ["ViT-B-32", "ViT-B-16", "ViT-L-14"])
+@pytest.mark.parametrize("name", [f"{m}/openclip_{s}" for m in ("featcal", "surgery", "probsurgery")
+                                  for s in ("ta", "simple_average", "wudi")])
+def test_the_issue_command_composes_offline_with_our_openclip_pools(name, model, monkeypatch):
+    """`fusion_bench method=<featcal|surgery|probsurgery>/openclip_* modelpool=OpenCLIPVisionModelPool/<model>_TA8_quickgelu
+    taskpool=OpenCLIPVisionModelTaskPool/<model>_TA8_active_task` composes with no connection (it cannot run here:
+    the checkpoints and datasets are downloads). This repository's config/ is put on the search path explicitly."""
     import socket
     from pathlib import Path
 
@@ -186,23 +176,32 @@ def test_the_issue_command_composes_offline_with_fusion_benchs_openclip_pools(na
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
     repo_config = Path(__file__).resolve().parents[1] / "config"
+    search = f"hydra.searchpath=[file://{repo_config}]"
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
             cfg = compose("fabric_model_fusion", overrides=[
-                f"hydra.searchpath=[file://{repo_config}]", f"method=featcal/{name}",
-                "modelpool=OpenCLIPVisionModelPool/ViT-B-32_TA8", "taskpool=OpenCLIPVisionModelTaskPool/ViT-B-32_TA8",
+                search, f"method={name}", f"modelpool=OpenCLIPVisionModelPool/{model}_TA8_quickgelu",
+                f"taskpool=OpenCLIPVisionModelTaskPool/{model}_TA8_active_task",
             ])
-            clip = compose("fabric_model_fusion", overrides=[
-                f"hydra.searchpath=[file://{repo_config}]", f"method=featcal/{name.replace('openclip_', 'clip_')}",
+            clip = compose("fabric_model_fusion", overrides=[search, f"method={name.replace('openclip_', 'clip_')}"])
+            theirs = compose("fabric_model_fusion", overrides=[
+                search, f"modelpool=OpenCLIPVisionModelPool/{model}_TA8", f"taskpool=OpenCLIPVisionModelTaskPool/{model}_TA8",
             ])
     finally:
         GlobalHydra.instance().clear()
     assert cfg.method == clip.method  # the same method and upstream as the CLIP config it composes from
-    assert cfg.method._target_ == "featcal_fusionbench.FeatCalAlgorithm"
-    assert cfg.modelpool._target_ == "fusion_bench.modelpool.OpenCLIPVisionModelPool"
-    assert cfg.modelpool.models._pretrained_.model_name == "ViT-B-32"
-    assert cfg.taskpool._target_ == "fusion_bench.taskpool.OpenCLIPVisionModelTaskPool"
-    upstream = {"openclip_ta": "TaskArithmeticAlgorithm", "openclip_simple_average": "SimpleAverageAlgorithm",
-                "openclip_wudi": "WUDIMerging"}[name]
-    assert cfg.method.upstream._target_.endswith(upstream)
+    upstream = {"ta": "TaskArithmeticAlgorithm", "simple_average": "SimpleAverageAlgorithm", "wudi": "WUDIMerging"}
+    assert cfg.method.upstream._target_.endswith(upstream[name.split("openclip_")[1]])
+    assert cfg.modelpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPPool"
+    assert cfg.taskpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPTaskPool"
+    ours, fb = (OmegaConf.to_container(c.modelpool, resolve=True) for c in (cfg, theirs))
+    # FusionBench's pool with every checkpoint rebuilt under its architecture's name (B-16 / L-14 name the pickles
+    # alone in FusionBench's configs: their modules would run under open_clip 3.x's code)
+    path = lambda e: e["pickle_path"] if isinstance(e, dict) else e  # noqa: E731
+    assert {k: path(v) for k, v in ours["models"].items()} == {k: path(v) for k, v in fb["models"].items()}
+    assert all(v["model_name"] == model for v in ours["models"].values())
+    assert {k: v for k, v in ours.items() if k not in ("_target_", "models")} == {
+        k: v for k, v in fb.items() if k not in ("_target_", "models")}
+    assert {k: v for k, v in cfg.taskpool.items() if k != "_target_"} == {
+        k: v for k, v in theirs.taskpool.items() if k != "_target_"}

@@ -4,11 +4,12 @@
 conv1, the class token, the positional embedding and ``ln_pre`` enter the first residual block; ``ln_post`` and
 ``proj`` keep their merged values. In a block, q, k and v are rows of the fused ``attn.in_proj_weight`` (one shared
 input, ``ln_1``'s output) and ``out_proj``'s input exists only inside the functional attention call
-(``MHAOutProjSite`` recomputes it). Surgery and ProbSurgery are refused (``feature_site``): FusionBench's OpenCLIP task pool
-cannot tell a model which task it evaluates, so their per-task maps would silently not be applied.
+(``MHAOutProjSite`` recomputes it). Surgery's and ProbSurgery's maps act on the encoder's output (``feature_site``);
+they are applied when the task pool names the task (``featcal_fusionbench.openclip_pools.OpenCLIPTaskPool``).
 
 open_clip 3.x (3.3.0 checked) builds ``ViT-B-32`` with ``nn.GELU``, while the OpenAI weights and the task-vector checkpoints were
-trained with QuickGELU: ``check_models`` refuses such a pool (see ``activation_mismatch``).
+trained with QuickGELU: ``check_models`` refuses such a pool (see ``activation_mismatch``);
+``featcal_fusionbench.openclip_pools.OpenCLIPPool`` builds the encoders with the right one.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..baselines.modules import EncoderOutputSurgery
 from . import register_family
-from .base import ModelFamily, batch_loader
+from .base import FeatureSite, ModelFamily, batch_loader
 from .clip_vision import LastBlockPatchWeighting
 from .sites import SCALE, LayerNormSite, LinearSite, MHAOutProjSite, NormSite, mha_in_proj_sites
 
@@ -86,11 +88,29 @@ def activation_mismatch(entry: Any, tower: nn.Module) -> Optional[str]:
         f"the pool's models are built as open_clip {model_name!r} with {actual.__name__}, but their weights were "
         f"trained with {trained} (open_clip {open_clip.__version__} builds the OpenAI architectures with nn.GELU; "
         f"the OpenAI weights and the task-vector checkpoints use QuickGELU). Every feature, the upstream merge's "
-        f"and FeatCal's alike, would shift silently. Fix: build the encoders with {trained}: FusionBench's "
-        f"ImageEncoder(model_name) has no switch for it, so make each pool entry a `_target_` that builds "
-        f"open_clip.create_model_and_transforms(<name>, pretrained=None, force_quick_gelu={quick}) (or the "
-        f"'<name>-quickgelu' config) and loads the checkpoint's state dict into it."
+        f"and FeatCal's alike, would shift silently. Fix: load the pool with "
+        f"featcal_fusionbench.openclip_pools.OpenCLIPPool (the configs modelpool=OpenCLIPVisionModelPool/"
+        f"<model>_TA8_quickgelu), which builds each encoder with the activation its weights were trained with "
+        f"(FusionBench's ImageEncoder(model_name) has no switch for it)."
     )
+
+
+class OpenCLIPImageFeatureSite(FeatureSite):
+    """The image encoder's output: the projected image feature, not normalised (``encode_image``). Surgery's
+    original code maps this feature of the task-vector encoders; the task's ``ClassificationHead`` (which
+    normalises) reads the mapped feature. (HF CLIP's site is the normalised feature: docs/families/openclip_vision.md
+    says what that changes.)"""
+
+    def __init__(self, tower: nn.Module):
+        self.dim = tower.proj.shape[1] if tower.proj is not None else tower.transformer.width
+
+    def features(self, model: nn.Module, images: Tensor) -> Tensor:
+        return vision_tower(model)(images)  # what ImageEncoder.forward returns, for a bare tower or CLIP too
+
+    def deploy(self, wrapper: nn.Module) -> nn.Module:
+        # FusionBench's task pool calls the encoder inside ImageClassifier without the task: the map is applied on
+        # its output for the task the task pool sets.
+        return EncoderOutputSurgery(wrapper)
 
 
 class LayerScaleSite(NormSite):
@@ -226,13 +246,4 @@ class OpenCLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
         return (pixels for pixels, _labels in images)
 
     def feature_site(self, modelpool, model):
-        # The natural site is the encoder's output (where Surgery's original code maps the task-vector
-        # checkpoints' features), but FusionBench's OpenCLIPVisionModelTaskPool evaluates ImageClassifier(model,
-        # head) and never tells the model which task it classifies: a wrapper's per-task maps would silently not
-        # be applied, and Surgery would score as its upstream model.
-        raise NotImplementedError(
-            "Surgery and ProbSurgery on OpenCLIP models: FusionBench's OpenCLIPVisionModelTaskPool evaluates "
-            "ImageClassifier(model, head) without naming the task, so per-task feature maps cannot be applied "
-            "when it evaluates; it would report the upstream model's accuracy. Use FeatCal (method=featcal/openclip_*), "
-            "or the HF CLIP pools (CLIPVisionModelPool) for Surgery and ProbSurgery."
-        )
+        return OpenCLIPImageFeatureSite(self.tower(model))
