@@ -10,11 +10,13 @@ from typing import Any, Dict, Mapping, Optional, Union
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
+from .autoselect import auto_calibrate
 from .data import calibration_source, select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
 from .families import check_option_names, family_for
 from .hparams import DEFAULTS, FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
+from .selection import SelectionOptions, check_split_sizes
 from .streams import StreamOptions
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,9 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     (bytes, or e.g. "8GB"; null / "auto": from the device's free memory, unbounded on
     CPU) bounds the hidden-state streams kept on the device; batches beyond it go to
     ``stream_spill`` ("host": pinned host memory; "disk": a temporary folder in
-    ``stream_spill_dir``, removed at the end).
+    ``stream_spill_dir``, removed at the end). ``auto_select`` (false: off, the given lambda_ / rho / alpha;
+    true or a mapping of ``selection.SelectionOptions``): choose them without labels on a held-out part of each
+    task's calibration examples, then calibrate on all of them with the choice (``autoselect``).
     """
 
     method_name = "FeatCal"
@@ -70,6 +74,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         stream_spill: str = "host",
         stream_spill_dir: Optional[str] = None,
         last_block_patch_token_weight: Optional[float] = None,
+        auto_select: Union[bool, None, Mapping[str, Any]] = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -79,6 +84,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         self.stream_options = StreamOptions(stream_device_bytes, stream_spill, stream_spill_dir)
         self.family_options = _family_options(family_options, last_block_patch_token_weight)
         check_option_names(self.family_options)
+        self.selection_options = SelectionOptions.parse(auto_select)
 
     def run(self, modelpool: BaseModelPool):
         if not isinstance(modelpool, BaseModelPool):
@@ -87,6 +93,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
 
         # Everything that can be wrong with the input is checked before the upstream merge runs.
         tasks = self.check_pool(modelpool)
+        world_size = self.fabric.world_size
+        if self.selection_options is not None:
+            share = hp.num_calibration_examples // world_size
+            check_split_sizes(share, 1, self.selection_options.heldout_fraction, tasks)
         with self.profile("load models"):
             base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading)
             family = family_for(base, self.family_options)
@@ -98,26 +108,40 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             )
             # Several devices: each rank streams a disjoint shard of every task; the moment sums are
             # all-reduced before each solve, so every rank solves the same systems.
-            world_size, rank = self.fabric.world_size, self.fabric.global_rank
+            rank = self.fabric.global_rank
             datasets = {t: shard(d, rank, world_size) for t, d in datasets.items()}
 
         with self.profile("upstream merge"):
             merged, source = self.load_merged(modelpool, base, experts)
         upstream_model = copy.deepcopy(merged) if self.return_upstream else None
 
-        engine = FeatCalEngine(
-            family,
-            hp,
-            self.fabric.device,
-            reduce=self._all_reduce if world_size > 1 else None,
-            track_upstream=self.track_upstream_drift,
-            log_fn=self.log_metrics if self.fabric.is_global_zero else None,
-            progress=self.fabric.is_global_zero,
-            streams=self.stream_options,
-        )
-        batches = {t: family.batches(modelpool, datasets[t], hp.batch_size) for t in tasks}
+        def make_engine(hparams, engine_family, search=False, **kwargs):
+            # auto_select's search runs neither log per-block metrics nor track the upstream: only the final run does.
+            final = not search
+            return FeatCalEngine(
+                engine_family,
+                hparams,
+                self.fabric.device,
+                reduce=self._all_reduce if world_size > 1 else None,
+                track_upstream=self.track_upstream_drift and final,
+                log_fn=self.log_metrics if self.fabric.is_global_zero and final else None,
+                progress=self.fabric.is_global_zero and final,
+                streams=self.stream_options,
+                **kwargs,
+            )
+
+        def batches_of(dataset):
+            return family.batches(modelpool, dataset, hp.batch_size)
+
         with self.profile("calibration"):
-            report = engine.run(merged, base, experts, batches)
+            if self.selection_options is None:
+                batches = {t: batches_of(datasets[t]) for t in tasks}
+                report = make_engine(hp, family).run(merged, base, experts, batches)
+            else:
+                report = auto_calibrate(
+                    make_engine, lambda extra: family_for(base, {**self.family_options, **extra}),
+                    self.selection_options, hp, merged, base, experts, datasets, batches_of, self.fabric.device,
+                )
         report.update(
             {
                 "upstream": source,

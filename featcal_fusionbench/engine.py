@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,9 @@ from .solver import (
     solve_norm_scale,
     task_weight,
 )
+
+if TYPE_CHECKING:
+    from .autoselect import BlockSelector
 
 log = logging.getLogger(__name__)
 
@@ -227,9 +230,16 @@ class FeatCalEngine:
         progress: bool = True,
         profile: bool = False,
         streams: Optional[StreamOptions] = None,
+        schedule: Optional[Sequence[FeatCalHParams]] = None,
+        selector: Optional["BlockSelector"] = None,
     ):
+        """``schedule``: one set of hyperparameters per block (``auto_select``'s per-block choice) instead of
+        ``hparams`` everywhere. ``selector``: choose each block's values on held-out moments (``run``'s
+        ``heldout_batches``) and record the choice in the report (``autoselect``)."""
         self.family = family
         self.hparams = hparams
+        self.schedule = None if schedule is None else list(schedule)
+        self.selector = selector
         self.device = torch.device(device)
         self.reduce = reduce
         self.track_upstream = track_upstream
@@ -239,13 +249,16 @@ class FeatCalEngine:
         self.stream_options = streams or StreamOptions()
         self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
 
+    def hparams_at(self, index: int) -> FeatCalHParams:
+        return self.hparams if self.schedule is None else self.schedule[index]
+
     # ---- streams ------------------------------------------------------------------------------
 
-    def _embed(self, model, expert, batches, store: StreamStore) -> tuple:
+    def _embed(self, model, expert, batches, store: StreamStore, upstream: bool = True) -> tuple:
         """The task's calibrated and expert streams, and the upstream one when tracked (it starts as the calibrated)."""
         family = self.family
         cal, exp = store.stream(), store.stream()
-        upstream = store.stream() if self.track_upstream else None
+        upstream = store.stream() if self.track_upstream and upstream else None
         with on_device(family.stem_modules(expert), self.device):
             for inputs in batches:
                 with self.timer("embed"):
@@ -358,25 +371,40 @@ class FeatCalEngine:
                 norm_moments[name] = NormInputMoments(site.dim, site.normalizer(), dtype, self.device)
             norm_moments[name].update(cap_cal[name], weights(family.weight_profile(plan.index, num_blocks, name)))
 
-    def _fold_task(self, plan, task, groups, lin, norms, exp_sites, sums: _BlockSums) -> None:
-        """Finalise one task's moments (reduced across ranks), check them, add them to the block's sums."""
-        hp = self.hparams
-        held = sum(m.nbytes() for m in itertools.chain(lin.values(), norms.values())) + sums.nbytes()
+    def _finalize_task(self, plan, task, groups, lin, norms, sums_bytes: int = 0):
+        """One task's moments, reduced across ranks and checked: (linear stats per group, norm stats per name)."""
+        held = sum(m.nbytes() for m in itertools.chain(lin.values(), norms.values())) + sums_bytes
         self.statistics_bytes = max(self.statistics_bytes, held)
+        linear = {}
         for gi, moments in lin.items():
-            stats = moments.finalize(self.reduce)
+            linear[gi] = stats = moments.finalize(self.reduce)
             what = f"the input moments of {', '.join(plan.modules[n][0] for n in groups[gi].names)} (task {task})"
             for tensor in stats.tensors():
                 check_finite(tensor, what)
-            sums.add_linear(gi, groups[gi], stats, exp_sites, hp, hp.calibrate_bias)
+        normed = {}
         for name, moments in norms.items():
-            stats = moments.finalize(self.reduce)
+            normed[name] = stats = moments.finalize(self.reduce)
             check_finite(stats.second_moment, f"the normalised-input moments of {plan.modules[name][0]} (task {task})")
+        return linear, normed
+
+    @staticmethod
+    def _add_task(groups, finalized, exp_sites, sums, hp: FeatCalHParams) -> None:
+        """Add one task's finalised moments to a block's sums (``_BlockSums``, or the selection's held-out sums)."""
+        linear, normed = finalized
+        for gi, stats in linear.items():
+            sums.add_linear(gi, groups[gi], stats, exp_sites, hp, hp.calibrate_bias)
+        for name, stats in normed.items():
             sums.add_norm(name, stats, exp_sites[name])
         sums.num_tasks += 1
 
-    def _solve_block(self, plan, base_block, sums: _BlockSums, groups) -> Dict[str, Any]:
-        hp = self.hparams
+    def _fold_task(self, plan, task, groups, lin, norms, exp_sites, sums: _BlockSums, hp: FeatCalHParams) -> None:
+        """Finalise one task's moments (reduced across ranks), check them, add them to the block's sums."""
+        finalized = self._finalize_task(plan, task, groups, lin, norms, sums.nbytes())
+        self._add_task(groups, finalized, exp_sites, sums, hp)
+
+    def _solve_block(self, plan, base_block, sums: _BlockSums, groups, hp: FeatCalHParams):
+        """The block's new parameters, as (site name, attribute, value) in the order they are solved, and the solver
+        methods used; nothing is written (``_write``)."""
         cal_sites = plan.sites
         base_sites = self.family.sites(base_block)
         updates: List[tuple] = []
@@ -392,7 +420,7 @@ class FeatCalEngine:
                 result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight"), hp.lambda_, hp.eps)
                 check_finite(result.solution, f"the solved weight of {full}")
                 methods[result.method] += 1
-                updates.append((site, "weight", result.solution))
+                updates.append((name, "weight", result.solution))
                 if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
                     bias = solve_bias(
                         sums.omega[gi],
@@ -403,7 +431,7 @@ class FeatCalEngine:
                         hp.lambda_,
                     )
                     check_finite(bias, f"the solved bias of {full}")
-                    updates.append((site, "bias", bias))
+                    updates.append((name, "bias", bias))
         for name, entry in sums.norm.items():
             full, kind = plan.modules[name]
             gamma_anchor = anchored(name, "weight")
@@ -413,15 +441,18 @@ class FeatCalEngine:
                     gamma_anchor, anchored(name, "bias"), hp.lambda_, hp.eps,
                 )
                 check_finite(beta, f"the solved shift of {full}")
-                updates.append((cal_sites[name], "bias", beta))
+                updates.append((name, "bias", beta))
             else:
                 gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
             check_finite(gamma, f"the solved scale of {full}")
-            updates.append((cal_sites[name], "weight", gamma))
+            updates.append((name, "weight", gamma))
+        return updates, dict(methods)
+
+    @staticmethod
+    def _write(plan, updates) -> None:
         # Load everything together: no site of this block saw a partially updated block.
-        for site, attr, value in updates:
-            site.write(**{attr: value})
-        return dict(methods)
+        for name, attr, value in updates:
+            plan.sites[name].write(**{attr: value})
 
     # ---- the whole model ----------------------------------------------------------------------
 
@@ -432,13 +463,19 @@ class FeatCalEngine:
         base: nn.Module,
         experts: Mapping[str, nn.Module],
         task_batches: Mapping[str, Iterable[Any]],
+        heldout_batches: Optional[Mapping[str, Iterable[Any]]] = None,
     ) -> Dict[str, Any]:
-        """Calibrate ``model`` in place (it is moved to the device) and return a report."""
+        """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches``
+        (with a ``selector`` only): each task's held-out examples, streamed beside the fit ones and never fitted."""
         family, hp = self.family, self.hparams
         tasks = list(experts)
         missing = [t for t in tasks if t not in task_batches]
         if missing:
             raise ValueError(f"no calibration batches for task(s) {missing}")
+        if (heldout_batches is None) != (self.selector is None):
+            raise ValueError("held-out batches go with a selector, and a selector needs them")
+        if self.schedule is not None and len(self.schedule) != len(family.blocks(model)):
+            raise ValueError(f"a schedule of {len(self.schedule)} hyperparameter sets for {len(family.blocks(model))} blocks")
         plans = plan_blocks(family, model, hp)
         for module in (model, base, *experts.values()):
             module.eval()
@@ -456,13 +493,16 @@ class FeatCalEngine:
             streams: Dict[str, tuple] = {}
             for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
                 streams[task] = self._embed(model, experts[task], task_batches[task], store)
+            heldout: Dict[str, tuple] = {}
+            for task in tasks if heldout_batches is not None else ():
+                heldout[task] = self._embed(model, experts[task], heldout_batches[task], store, upstream=False)
 
             report_blocks = []
             bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
             for index in bar:
                 entry = self._calibrate_block(
                     plans[index], model, blocks[index], base_blocks[index], experts,
-                    {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks,
+                    {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks, heldout,
                 )
                 report_blocks.append(entry)
                 self._log_block(entry)
@@ -483,12 +523,14 @@ class FeatCalEngine:
             "blocks": report_blocks,
         }
 
-    def _calibrate_block(self, plan, model, block, base_block, experts, expert_blocks, streams, num_blocks):
+    def _calibrate_block(self, plan, model, block, base_block, experts, expert_blocks, streams, num_blocks, heldout):
         """Snapshot, solve and load one block, then advance the streams past it; return the block's report entry."""
         family = self.family
         index = plan.index
+        hp = self.hparams_at(index)
         block_started = time.perf_counter()
-        for task, (cal, exp, upstream) in streams.items():
+        selection = None
+        for task, (cal, exp, upstream) in itertools.chain(streams.items(), heldout.items()):
             self._enter_block(model, index, cal)
             self._enter_block(experts[task], index, exp)
             if upstream is not None:
@@ -496,7 +538,11 @@ class FeatCalEngine:
 
         sums, groups = _BlockSums(), None
         before_meters: Dict[str, Any] = {}
-        if plan.modules:
+        if plan.modules and self.selector is not None:
+            selection = self.selector.select_block(self, plan, block, base_block, expert_blocks, streams, heldout,
+                                                   num_blocks, before_meters)
+            methods = selection.pop("solver")
+        elif plan.modules:
             for task, expert_block in expert_blocks.items():
                 exp_sites = family.sites(expert_block)
                 with on_device([expert_block], self.device):
@@ -504,18 +550,21 @@ class FeatCalEngine:
                         plan, block, expert_block, exp_sites, streams[task], num_blocks, groups
                     )
                     with self.timer("moments"):
-                        self._fold_task(plan, task, groups, lin, norms, exp_sites, sums)
+                        self._fold_task(plan, task, groups, lin, norms, exp_sites, sums, hp)
             with self.timer("solve"), on_device([base_block], self.device):
-                methods = self._solve_block(plan, base_block, sums, groups)
+                updates, methods = self._solve_block(plan, base_block, sums, groups, hp)
+            self._write(plan, updates)
         else:
             # Nothing to fit here, but the expert and upstream trajectories still advance.
             methods = {}
-            for task, (_, exp, upstream) in streams.items():
+            for task, (_, exp, upstream) in itertools.chain(streams.items(), heldout.items()):
                 with on_device([expert_blocks[task]], self.device):
                     self._advance(expert_blocks[task], exp)
                 if upstream is not None:
                     self._advance(block, upstream)
         del sums
+        for cal, _, _ in heldout.values():  # the held-out calibrated streams enter the next block calibrated too
+            self._advance(block, cal)
 
         drift = {}
         for task, (cal, exp, upstream) in streams.items():
@@ -537,13 +586,18 @@ class FeatCalEngine:
                 drift[task]["before"] = before_meters[task].result(self.reduce)
             if upstream is not None:
                 drift[task]["upstream"] = beside.result(self.reduce)
-        return {
+        entry = {
             "block": index,
             "modules": [full for full, _ in plan.modules.values()],
             "solver": methods,
             "seconds": time.perf_counter() - block_started,
             "drift": drift,
         }
+        if self.schedule is not None:
+            entry["hparams"] = {k: getattr(hp, k) for k in ("lambda_", "rho", "alpha")}
+        if selection is not None:
+            entry["selection"] = selection
+        return entry
 
     def _log_block(self, entry: Dict[str, Any]) -> None:
         index = entry["block"]

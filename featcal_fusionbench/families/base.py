@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Dict, Hashable, Iterator, List, Mapping, Optio
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from .sites import Site
 
@@ -42,6 +42,22 @@ def batch_loader(dataset, batch_size: int, shuffle: bool, seed: int, collate_fn=
         drop_last=len(dataset) >= batch_size, collate_fn=collate_fn,
     )
     return (batch for _ in itertools.count() for batch in loader)
+
+
+class ImagesOnly(Dataset):
+    """A classification dataset's images with a dummy label: calibration and ``auto_select`` are label-free, so
+    they never read a label (``ImageClassificationDataset`` would return the row's)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        row = self.dataset[index]
+        image = row["image"] if isinstance(row, Mapping) else row[0]
+        return {"image": image, "label": -1}
 
 
 class FeatureSite(ABC):
@@ -158,6 +174,17 @@ class ModelFamily(ABC):
     def valid_token_mask(self, meta: Any, hidden: Tensor) -> Optional[Tensor]:
         """Tokens that exist (not padding), for drift metrics; None means all."""
         return None
+
+    # ---- predictions (auto_select's agreement criterion) ------------------------------------------
+
+    def head_modules(self, model: nn.Module) -> Optional[List[nn.Module]]:
+        """Modules that :meth:`predict` runs after the last block, or None where the family's model has no
+        prediction head of its own (CLIP vision towers: the zero-shot head lives in the task pool)."""
+        return None
+
+    def predict(self, model: nn.Module, hidden: Tensor, meta: Any) -> Tensor:
+        """Logits over the last axis from the last block's output (only where :meth:`head_modules` is not None)."""
+        raise NotImplementedError(f"the {self.name} family has no prediction head")
 
     # ---- data ----------------------------------------------------------------------------------
 

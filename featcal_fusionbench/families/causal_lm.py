@@ -236,6 +236,17 @@ class CausalLMFamily(ModelFamily):
             found["post_feedforward_layernorm"] = norm(block.post_feedforward_layernorm)
         return found
 
+    def head_modules(self, model):
+        """The final norm and ``lm_head`` (a bare decoder without ``lm_head`` has no predictions)."""
+        if getattr(model, "lm_head", None) is None:
+            return None
+        return [decoder_of(model).norm, model.lm_head]
+
+    def predict(self, model, hidden, meta: CausalLMState):
+        """Next-token logits, as the model's own forward computes them from the last layer's output (Gemma-2's
+        final logit soft-capping left out: it is monotone, so the argmax is the same)."""
+        return model.lm_head(decoder_of(model).norm(hidden))
+
     def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
         return COUNTED_TOKENS
 

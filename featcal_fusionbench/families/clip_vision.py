@@ -17,7 +17,7 @@ from transformers import CLIPVisionModel, PretrainedConfig
 from transformers.models.clip.modeling_clip import CLIPVisionTransformer
 
 from . import register_family
-from .base import UNIFORM, FeatureSite, ModelFamily, batch_loader
+from .base import UNIFORM, FeatureSite, ImagesOnly, ModelFamily, batch_loader
 from .sites import LayerNormSite, LinearSite
 
 CLS_WEIGHTED = "cls-weighted"
@@ -148,7 +148,7 @@ class CLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
     def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Tensor]:
         from fusion_bench.dataset.image_dataset import ImageClassificationDataset
 
-        images = batch_loader(ImageClassificationDataset(dataset, modelpool.load_processor()), batch_size, shuffle, seed)
+        images = batch_loader(ImageClassificationDataset(ImagesOnly(dataset), modelpool.load_processor()), batch_size, shuffle, seed)
         return (pixel_values for pixel_values, _labels in images)
 
     def feature_site(self, modelpool, model):

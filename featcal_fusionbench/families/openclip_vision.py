@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..baselines.modules import EncoderOutputSurgery
 from . import register_family
-from .base import FeatureSite, ModelFamily, batch_loader
+from .base import FeatureSite, ImagesOnly, ModelFamily, batch_loader
 from .clip_vision import LastBlockPatchWeighting
 from .sites import SCALE, LayerNormSite, LinearSite, MHAOutProjSite, NormSite, mha_in_proj_sites
 
@@ -242,7 +242,7 @@ class OpenCLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
                 f"OpenCLIP calibration images are transformed by the pool's `test_processor` (an "
                 f"OpenCLIPVisionModelPool); got a {type(modelpool).__name__}"
             )
-        images = batch_loader(ImageClassificationDataset(dataset, processor), batch_size, shuffle, seed)
+        images = batch_loader(ImageClassificationDataset(ImagesOnly(dataset), processor), batch_size, shuffle, seed)
         return (pixels for pixels, _labels in images)
 
     def feature_site(self, modelpool, model):

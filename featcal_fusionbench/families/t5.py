@@ -152,6 +152,17 @@ class T5Family(ModelFamily):
             cache_position=positions,
         )[0]
 
+    def head_modules(self, model):
+        return [model.decoder.final_layer_norm, model.lm_head]
+
+    def predict(self, model, hidden, meta):
+        """Decoder-token logits from the last decoder block's output, as ``T5ForConditionalGeneration`` computes
+        them (scaled by d_model ** -0.5 when the head is tied to the embeddings)."""
+        hidden = model.decoder.final_layer_norm(hidden)
+        if model.config.tie_word_embeddings:
+            hidden = hidden * model.model_dim**-0.5
+        return model.lm_head(hidden)
+
     def weight_profile(self, block_index: int, num_blocks: int, module_name: str) -> Hashable:
         return ENCODER_TOKENS if module_name in _CROSS_KV else STREAM_TOKENS
 

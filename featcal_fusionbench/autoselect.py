@@ -1,0 +1,276 @@
+"""``method.auto_select``: the model plumbing of the label-free choice (the math and options are in ``selection``).
+
+Every task's calibration examples are split into a fit part and a held-out part (inputs only; no label is read).
+
+- criterion ``objective``: ONE calibration pass over fit + held-out streams. At each block, the fit moments are
+  accumulated once and folded once per distinct alpha; every candidate (lambda, rho, alpha) is a closed-form solve
+  on them, scored on the block's held-out moments (``selection.HeldoutObjective``); the best is loaded and the
+  streams advance through it, so the next block chooses on the chosen prefix (greedy, per block).
+- criteria ``drift`` / ``agreement``: one calibration of a copy of the merged model on the fit part per candidate
+  (coordinate or full grid), scored on the held-out part's last-block outputs against the experts'. The experts'
+  held-out outputs do not depend on the hyperparameters and are computed once.
+
+Then the final calibration runs on ALL calibration examples with the chosen values (per block for ``objective``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from .data import _subset
+from .drift import DriftMeter
+from .engine import FeatCalEngine, _BlockSums, on_device
+from .families import ModelFamily
+from .hparams import FeatCalHParams
+from .moments import NonFiniteError
+from .selection import (
+    PATCH_WEIGHT,
+    AgreementMeter,
+    Candidate,
+    HeldoutObjective,
+    SelectionOptions,
+    all_candidates,
+    best_of,
+    candidate_key,
+    coordinate_stages,
+    heldout_split,
+    mean_over_tasks,
+    stage_candidates,
+    with_candidate,
+)
+
+log = logging.getLogger(__name__)
+
+#: (hparams, family, search=bool, schedule=..., selector=...) -> an engine configured like the method's own
+EngineFactory = Callable[..., FeatCalEngine]
+
+
+def split_datasets(datasets: Mapping[str, Any], options: SelectionOptions, seed: int):
+    """Each task's (fit, held-out) subsets and the sizes, for the report."""
+    fit, held, sizes = {}, {}, {}
+    for task, dataset in datasets.items():
+        fit_idx, held_idx = heldout_split(len(dataset), options.heldout_fraction, seed, task)
+        fit[task], held[task] = _subset(dataset, fit_idx), _subset(dataset, held_idx)
+        sizes[task] = {"fit": len(fit_idx), "heldout": len(held_idx)}
+    return fit, held, sizes
+
+
+# ---- criterion "objective": per-block choice inside one calibration -------------------------------------------
+
+
+class BlockSelector:
+    """The engine's hook (``FeatCalEngine(selector=...)``): chooses each block's (lambda, rho, alpha)."""
+
+    def __init__(self, candidates: List[Candidate]):
+        self.candidates = candidates
+        self.alphas = sorted({c["alpha"] for c in candidates})
+        self.solves = 0
+
+    def select_block(self, engine: FeatCalEngine, plan, block, base_block, expert_blocks, streams, heldout,
+                     num_blocks, before_meters) -> Dict[str, Any]:
+        family, device = engine.family, engine.device
+        hp0 = engine.hparams_at(plan.index)
+        fit_sums = {a: _BlockSums() for a in self.alphas}
+        held = HeldoutObjective()
+        groups = None
+        for task, expert_block in expert_blocks.items():
+            exp_sites = family.sites(expert_block)
+            with on_device([expert_block], device):
+                groups, lin, norms, before_meters[task] = engine._snapshot_task(
+                    plan, block, expert_block, exp_sites, streams[task], num_blocks, groups
+                )
+                _, lin_h, norms_h, _ = engine._snapshot_task(
+                    plan, block, expert_block, exp_sites, heldout[task], num_blocks, groups
+                )
+                with engine.timer("moments"):
+                    fitted = engine._finalize_task(plan, task, groups, lin, norms)
+                    for alpha in self.alphas:  # only the targets depend on a candidate's alpha
+                        engine._add_task(groups, fitted, exp_sites, fit_sums[alpha], with_candidate(hp0, {"alpha": alpha}))
+                    engine._add_task(groups, engine._finalize_task(plan, task, groups, lin_h, norms_h), exp_sites, held, hp0)
+        current = {n: {"weight": s.weight, "bias": s.bias} for n, s in plan.sites.items()}
+        scores: Dict[str, float] = {}
+        best = None  # (score, key, updates, methods): only the best candidate's parameters are kept
+        with engine.timer("solve"), on_device([base_block], device):
+            for candidate in self.candidates:
+                key = candidate_key(candidate)
+                try:
+                    updates, methods = engine._solve_block(
+                        plan, base_block, fit_sums[candidate["alpha"]], groups, with_candidate(hp0, candidate)
+                    )
+                except NonFiniteError:
+                    scores[key] = float("nan")  # a candidate whose solve overflows is never chosen
+                    continue
+                self.solves += 1
+                solution: Dict[str, Dict[str, torch.Tensor]] = {}
+                for name, attr, value in updates:
+                    solution.setdefault(name, {})[attr] = value
+                scores[key] = held.score(solution, current)
+                if best is None or scores[key] < best[0]:  # strict: ties keep the earlier candidate
+                    best = (scores[key], key, updates, methods)
+        chosen = best_of(scores, higher_is_better=False)
+        assert best is not None and chosen == best[1]
+        engine._write(plan, best[2])
+        return {"solver": best[3], "chosen": chosen, "scores": scores}
+
+
+def select_per_block(make_engine: EngineFactory, family, hp, grid, merged, base, experts, fit_batches, held_batches):
+    """The per-block schedule chosen on a copy of ``merged``, and the search's report."""
+    candidates = all_candidates({k: v for k, v in grid.items() if k != PATCH_WEIGHT})
+    selector = BlockSelector(candidates)
+    report = make_engine(hp, family, search=True, selector=selector).run(copy.deepcopy(merged), base, experts, fit_batches, held_batches)
+    chosen = {entry["block"]: entry["selection"]["chosen"] for entry in report["blocks"] if "selection" in entry}
+    by_key = {candidate_key(c): c for c in candidates}
+    schedule = [with_candidate(hp, by_key[chosen[b]]) if b in chosen else hp for b in range(report["num_blocks"])]
+    blocks = [{"block": e["block"], **e["selection"]} for e in report["blocks"] if "selection" in e]
+    return schedule, {"candidates": [candidate_key(c) for c in candidates], "blocks": blocks, "solves": selector.solves,
+                      "calibrations": 1}
+
+
+# ---- criteria "drift" / "agreement": a calibration per candidate ----------------------------------------------
+
+
+@torch.no_grad()
+def final_states(family: ModelFamily, model: nn.Module, batches, device) -> List[tuple]:
+    """Every batch's last-block output (hidden, meta), block by block so that a host or lazy model visits the
+    device one block at a time."""
+    states = []
+    with on_device(family.stem_modules(model), device):
+        for inputs in batches:
+            states.append(family.embed(model, family.inputs_to(inputs, device)))
+    for index, block in enumerate(family.blocks(model)):
+        with on_device(family.stem_modules(model), device):
+            states = [family.enter_block(model, index, h, m) for h, m in states]
+        with on_device([block], device):
+            states = [(family.run_block(block, h, m), m) for h, m in states]
+    return states
+
+
+@torch.no_grad()
+def predictions(family: ModelFamily, model: nn.Module, states, device) -> Optional[List[torch.Tensor]]:
+    """The family head's logits for each batch of final states, or None where the family has no head."""
+    modules = family.head_modules(model)
+    if modules is None:
+        return None
+    with on_device(modules, device):
+        return [family.predict(model, h, m) for h, m in states]
+
+
+class HeldoutReference:
+    """The experts' held-out last-block outputs and predictions: independent of every hyperparameter, so computed
+    once for the whole search."""
+
+    def __init__(self, family, experts, held_batches: Callable[[str], Any], device, criterion: str):
+        self.device = device
+        self.states = {t: final_states(family, e, held_batches(t), device) for t, e in experts.items()}
+        self.argmax = None
+        if criterion == "agreement":
+            logits = {t: predictions(family, experts[t], self.states[t], device) for t in experts}
+            if all(v is not None for v in logits.values()):
+                self.argmax = {t: [x.argmax(-1) for x in v] for t, v in logits.items()}
+        self.criterion = criterion if criterion != "agreement" or self.argmax is not None else "drift"
+
+    def score(self, family, model, held_batches) -> Dict[str, float]:
+        per_task = {}
+        for task, reference in self.states.items():
+            states = final_states(family, model, held_batches(task), self.device)
+            if self.criterion == "agreement":
+                meter = AgreementMeter()
+                for (h, m), logits, expert in zip(states, predictions(family, model, states, self.device), self.argmax[task]):
+                    meter.update(logits, expert, family.valid_token_mask(m, h))
+                per_task[task] = meter.result()
+            else:
+                meter = DriftMeter()
+                for (h, m), (r, _) in zip(states, reference):
+                    meter.update(h, r, family.valid_token_mask(m, h))
+                per_task[task] = meter.result()["cosine"]
+        return per_task
+
+
+def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOptions, hp, grid, merged, base, experts,
+                   fit_batches, held_batches, device):
+    """The chosen (hparams, family options) after a calibration per candidate, and the search's report."""
+    reference = HeldoutReference(family_with({}), experts, held_batches, device, options.criterion)
+    start = {"lambda_": hp.lambda_, "rho": hp.rho, "alpha": hp.alpha}
+    if PATCH_WEIGHT in grid:
+        start[PATCH_WEIGHT] = family_with({}).option_values[PATCH_WEIGHT]
+    stages = coordinate_stages(grid) if options.search == "coordinate" else [list(grid)]
+    scores: Dict[str, Dict[str, Any]] = {}
+    best = dict(start)
+    for keys in stages:
+        stage = stage_candidates(grid, keys, best) if options.search == "coordinate" else all_candidates(grid)
+        for candidate in stage:
+            key = candidate_key(candidate)
+            if key in scores:  # the stage's starting point was scored by the previous stage
+                continue
+            family = family_with({PATCH_WEIGHT: candidate[PATCH_WEIGHT]} if PATCH_WEIGHT in candidate else {})
+            model = copy.deepcopy(merged)
+            try:
+                make_engine(with_candidate(hp, candidate), family, search=True).run(model, base, experts, fit_batches())
+                per_task = reference.score(family, model, held_batches)
+            except NonFiniteError:
+                per_task = {t: float("nan") for t in experts}
+            scores[key] = {"score": mean_over_tasks(per_task), "per_task": per_task}
+            del model
+        in_stage = {candidate_key(c): scores[candidate_key(c)]["score"] for c in stage}
+        best = next(c for c in stage if candidate_key(c) == best_of(in_stage, higher_is_better=True))
+    return best, {"criterion_used": reference.criterion, "candidates": scores, "calibrations": len(scores)}
+
+
+# ---- the whole search, then the final calibration -------------------------------------------------------------
+
+
+def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOptions, hp: FeatCalHParams,
+                   merged, base, experts, datasets: Mapping[str, Any], batches_of: Callable[[Any], Any], device):
+    """Choose, then calibrate ``merged`` in place on all of ``datasets`` with the choice; return the engine's report
+    with an ``auto_select`` entry (grid, scores, choice, split sizes, seconds and the search's cost multiple)."""
+    family = family_with({})
+    seed = hp.seed if options.seed is None else options.seed
+    grid = options.grid_for(family.option_values, hp)
+    fit, held, sizes = split_datasets(datasets, options, seed)
+    started = time.perf_counter()
+    if options.criterion == "objective":
+        schedule, search = select_per_block(
+            make_engine, family, hp, grid, merged, base, experts,
+            {t: batches_of(d) for t, d in fit.items()}, {t: batches_of(d) for t, d in held.items()},
+        )
+        chosen_family, final_hp = family, hp
+        choice = {"per_block": [candidate_key({k: getattr(h, k) for k in ("lambda_", "rho", "alpha")}) for h in schedule]}
+    else:
+        best, search = select_by_runs(
+            make_engine, family_with, options, hp, grid, merged, base, experts,
+            lambda: {t: batches_of(d) for t, d in fit.items()}, lambda t: batches_of(held[t]), device,
+        )
+        schedule, final_hp = None, with_candidate(hp, best)
+        chosen_family = family_with({PATCH_WEIGHT: best[PATCH_WEIGHT]} if PATCH_WEIGHT in best else {})
+        choice = {"global": dict(best)}
+    search_seconds = time.perf_counter() - started
+    final_started = time.perf_counter()
+    report = make_engine(final_hp, chosen_family, schedule=schedule).run(
+        merged, base, experts, {t: batches_of(d) for t, d in datasets.items()}
+    )
+    final_seconds = time.perf_counter() - final_started
+    report["auto_select"] = {
+        "criterion": options.criterion,
+        "search": options.search if options.criterion != "objective" else "per_block",
+        "heldout_fraction": options.heldout_fraction,
+        "seed": seed,
+        "grid": {k: list(v) for k, v in grid.items()},
+        "split": sizes,
+        "choice": choice,
+        **search,
+        "search_seconds": search_seconds,
+        "final_seconds": final_seconds,
+        "cost_multiple": search_seconds / final_seconds if final_seconds > 0 else math.nan,
+    }
+    log.info(
+        "FeatCal auto_select (%s): chose %s in %.2fs = %.2f x the final calibration (%d calibration(s))",
+        options.criterion, choice, search_seconds, report["auto_select"]["cost_multiple"], search["calibrations"],
+    )
+    return report

@@ -1,0 +1,349 @@
+"""Label-free choice of lambda, rho and alpha (issue 27): options, candidate grids, the held-out split and the
+criteria, as plain data and math. No module, hook or device here: ``autoselect`` does the model plumbing.
+
+Three criteria score a candidate on the held-out part of each task's unlabeled calibration examples:
+
+- ``objective`` (lower is better): the per-block quadratic objective that the closed form minimises, on held-out
+  moments, with the expert's own features as the target (alpha = 1) and no ridge term, so that candidates with
+  different alpha, rho and lambda are scored against the same thing. Chosen per block (``autoselect``): one
+  calibration's forwards serve every candidate, whose solves reuse the block's fit-split moments.
+- ``drift`` (higher is better): mean cosine similarity of the calibrated model's last-block output to the task
+  expert's, over held-out tokens.
+- ``agreement`` (higher is better): how often the calibrated model's prediction (argmax of the family's head) equals
+  the task expert's on held-out tokens; families without a head (CLIP vision towers: the zero-shot head lives in the
+  task pool) fall back to ``drift`` and the report says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .hparams import FeatCalHParams
+
+SCORE_DTYPE = torch.float64
+
+#: criterion -> whether a higher score is better
+CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True}
+#: the hyperparameters a grid may vary; the last is a family option (CLIP families only)
+PATCH_WEIGHT = "last_block_patch_token_weight"
+GRID_KEYS = ("lambda_", "rho", "alpha", PATCH_WEIGHT)
+SEARCHES = ("coordinate", "grid")
+
+# Defaults. lambda is already a ratio to the data term (each task's omega-weighted Gram has unit Frobenius norm,
+# Eq. 14), so one log grid serves every setting; it spans the paper's own choices (1e-5 .. 3) with a decade of margin.
+DEFAULT_GRID: Dict[str, Tuple[float, ...]] = {
+    "lambda_": tuple(10.0**k for k in range(-6, 2)),  # 1e-6 .. 10
+    "rho": (0.5, 1.0, 1.5, 2.0, 2.5),  # the paper's values: 0.5 (LLMs), 2.0 (CLIP, FLAN-T5), 2.2 (demo)
+    "alpha": (0.15, 0.3, 0.6),  # the paper's values: 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5); 0.25 (demo)
+    PATCH_WEIGHT: (1.0, 0.01),  # the paper's uniform weights and the authors' demo
+}
+
+
+@dataclass(frozen=True)
+class SelectionOptions:
+    """``method.auto_select``: checked at construction, before any model or data is loaded.
+
+    ``grid`` entries replace the defaults key by key (a one-value list fixes that hyperparameter). ``search``
+    (criteria ``drift`` / ``agreement``, which need a calibration per candidate): ``coordinate`` tries lambda,
+    then rho x alpha at the chosen lambda, then the patch weight (|lambda| + |rho| |alpha| + |patch| runs);
+    ``grid`` tries every combination. ``seed``: the held-out split's (null: the method's ``seed``).
+    """
+
+    criterion: str = "objective"
+    heldout_fraction: float = 0.25
+    search: str = "coordinate"
+    seed: Optional[int] = None
+    grid: Mapping[str, Tuple[float, ...]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        problems = []
+        if self.criterion not in CRITERIA:
+            problems.append(f"criterion must be one of {sorted(CRITERIA)}, got {self.criterion!r}")
+        f = self.heldout_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < 1.0:
+            problems.append(f"heldout_fraction must lie strictly between 0 and 1, got {f!r}")
+        if self.search not in SEARCHES:
+            problems.append(f"search must be one of {list(SEARCHES)}, got {self.search!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            problems.append(f"seed must be an integer or null, got {self.seed!r}")
+        if not isinstance(self.grid, Mapping):
+            problems.append(f"grid must map hyperparameter names to lists of values, got {self.grid!r}")
+        else:
+            for key, values in self.grid.items():
+                problems += _grid_problems(key, values)
+        if self.criterion == "objective" and isinstance(self.grid, Mapping) and len(self.grid.get(PATCH_WEIGHT, (1,))) > 1:
+            problems.append(
+                f"criterion 'objective' chooses per block from one set of moments and cannot vary {PATCH_WEIGHT} "
+                f"(it changes the moments); fix it to one value or use criterion drift / agreement"
+            )
+        if problems:
+            raise ValueError("invalid method.auto_select: " + "; ".join(problems))
+        object.__setattr__(self, "grid", {k: tuple(float(v) for v in vs) for k, vs in dict(self.grid).items()})
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["SelectionOptions"]:
+        """``method.auto_select``: false / null (off), true (defaults) or a mapping of options."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"invalid method.auto_select: expected true, false or a mapping of options, got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"invalid method.auto_select: unknown option(s) {unknown}; known: {sorted(known)}")
+        options = dict(value)
+        if isinstance(options.get("grid"), Mapping):  # OmegaConf containers as plain ones
+            options["grid"] = {k: v if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") else list(v)
+                               for k, v in options["grid"].items()}
+        return cls(**options)
+
+    @property
+    def higher_is_better(self) -> bool:
+        return CRITERIA[self.criterion]
+
+    def grid_for(self, family_options: Mapping[str, Any], hparams: FeatCalHParams) -> Dict[str, Tuple[float, ...]]:
+        """The grid actually searched: defaults, replaced by ``grid``. Criterion ``objective`` scores against the
+        expert's features (alpha = 1), so it would favour the largest alpha: by default it keeps the method's alpha
+        (and the patch weight, which changes the moments) and searches lambda and rho. The patch weight is searched
+        only for a family with that option (else it must not be given)."""
+        objective = self.criterion == "objective"
+        grid = {k: self.grid.get(k, DEFAULT_GRID[k]) for k in ("lambda_", "rho")}
+        grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])
+        if PATCH_WEIGHT in family_options:
+            default = (float(family_options[PATCH_WEIGHT]),) if objective else DEFAULT_GRID[PATCH_WEIGHT]
+            grid[PATCH_WEIGHT] = self.grid.get(PATCH_WEIGHT, default)
+        elif PATCH_WEIGHT in self.grid:
+            raise ValueError(f"auto_select.grid.{PATCH_WEIGHT} is given but the model's family has no such option")
+        return grid
+
+
+def _grid_problems(key: str, values: Any) -> List[str]:
+    if key not in GRID_KEYS:
+        return [f"grid has unknown key {key!r}; known: {list(GRID_KEYS)}"]
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        return [f"grid.{key} must be a list of numbers, got {values!r}"]
+    values = list(values)
+    if not values:
+        return [f"grid.{key} is empty"]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        return [f"grid.{key} holds non-numbers or non-finite values {bad}"]
+    if key == "lambda_" and min(values) <= 0:
+        return [f"grid.lambda_ values must be > 0, got {values}"]
+    if key == "alpha" and not all(0.0 <= v <= 1.0 for v in values):
+        return [f"grid.alpha values must lie in [0, 1], got {values}"]
+    if key == PATCH_WEIGHT and min(values) < 0:
+        return [f"grid.{PATCH_WEIGHT} values must be >= 0, got {values}"]
+    if len(set(values)) != len(values):
+        return [f"grid.{key} repeats a value: {values}"]
+    return []
+
+
+# ---- candidates --------------------------------------------------------------------------------------------------
+
+
+Candidate = Dict[str, float]
+
+
+def candidate_key(candidate: Candidate) -> str:
+    """A stable name for reports: ``lambda_=0.01,rho=2,alpha=0.3``."""
+    return ",".join(f"{k}={candidate[k]:g}" for k in GRID_KEYS if k in candidate)
+
+
+def all_candidates(grid: Mapping[str, Sequence[float]]) -> List[Candidate]:
+    keys = [k for k in GRID_KEYS if k in grid]
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def coordinate_stages(grid: Mapping[str, Sequence[float]]) -> List[List[str]]:
+    """The coordinate search's stages: which keys each varies (the others held at the best so far).
+    lambda first (it spans decades; the paper's sweeps are flattest in rho and alpha), then rho x alpha together
+    (they interact: both move the target of the same solve), then the patch weight."""
+    stages = [["lambda_"], ["rho", "alpha"], [PATCH_WEIGHT]]
+    return [[k for k in stage if k in grid] for stage in stages if any(k in grid for k in stage)]
+
+
+def stage_candidates(grid: Mapping[str, Sequence[float]], keys: Sequence[str], best: Candidate) -> List[Candidate]:
+    return [{**best, **dict(zip(keys, values))} for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def with_candidate(hparams: FeatCalHParams, candidate: Candidate) -> FeatCalHParams:
+    return replace(hparams, **{k: v for k, v in candidate.items() if k in FeatCalHParams.__dataclass_fields__})
+
+
+def best_of(scores: Mapping[str, float], higher_is_better: bool) -> str:
+    """The best candidate key; ties go to the first listed (the grid's order), so a seeded run repeats its choice.
+    NaN never wins."""
+    finite = {k: v for k, v in scores.items() if not math.isnan(v)}
+    if not finite:
+        raise ValueError("every candidate scored NaN; no choice is possible")
+    sign = -1.0 if higher_is_better else 1.0
+    return min(finite, key=lambda k: (sign * finite[k], list(scores).index(k)))
+
+
+# ---- the held-out split ------------------------------------------------------------------------------------------
+
+
+def heldout_split(num_examples: int, fraction: float, seed: int, task: str) -> Tuple[List[int], List[int]]:
+    """(fit, held-out) positions in a task's calibration set: disjoint, covering it, both non-empty, fixed by
+    (seed, task name) alone, like the calibration examples themselves (``data.calibration_indices``)."""
+    heldout = int(round(fraction * num_examples))
+    if heldout < 1 or heldout > num_examples - 1:
+        raise ValueError(
+            f"task {task!r}: {num_examples} calibration example(s) cannot be split into a fit and a held-out part "
+            f"with heldout_fraction={fraction} (each needs at least one); raise num_calibration_examples"
+        )
+    # A stream distinct from the calibration examples' own (the extra word), so the split is not their order.
+    rng = np.random.default_rng([seed, zlib.crc32(task.encode("utf-8")), zlib.crc32(b"heldout")])
+    held = sorted(rng.choice(num_examples, size=heldout, replace=False).tolist())
+    chosen = set(held)
+    return [i for i in range(num_examples) if i not in chosen], held
+
+
+def check_split_sizes(num_examples: int, world_size: int, fraction: float, tasks: Sequence[str]) -> None:
+    """Fail before any model work when the split would leave a part empty (or a rank without examples)."""
+    for task in tasks:
+        fit, held = heldout_split(num_examples, fraction, 0, task)
+        if min(len(fit), len(held)) < world_size:
+            raise ValueError(
+                f"task {task!r}: the fit ({len(fit)}) and held-out ({len(held)}) parts need at least one example "
+                f"per rank ({world_size}); raise num_calibration_examples"
+            )
+
+
+# ---- criterion (c): the per-block objective on held-out moments -------------------------------------------------
+
+
+class HeldoutObjective:
+    """Held-out moments of one block summed over tasks, and the objective of any candidate's solution on them.
+
+    The objective is quadratic in the solution, so its task sums are sufficient: like the solve's own sums
+    (``engine._BlockSums``), memory does not grow with the number of tasks. Per linear module, with each task's
+    omega_i from its held-out Gram (Eq. 14) and y = W_i x_exp + b_i the expert module's output:
+
+        sum_i omega_i E_w ||W x_cal + b - y||^2
+          = tr(W G W^T) - 2 <W, Y> + 2 b.(W m) + Omega |b|^2 - 2 b.e + const,
+        G = sum omega_i E[x_cal x_cal^T], Y = sum omega_i E[y x_cal^T], m = sum omega_i E[x_cal], e = sum omega_i E[y],
+
+    the target being the expert's own features (alpha = 1) whatever the candidate's alpha, so that every candidate
+    is scored against the same thing. ``const`` = sum omega_i E||y||^2 is candidate-independent and not in the
+    moments: linear terms are reported without it (they can be negative). Per norm (equal task weights, Eq. 57),
+    sum_i E ||gamma z + beta - (gamma_i z + beta_i)||^2 is exact, constant included.
+    """
+
+    def __init__(self):
+        self.gram: Dict[int, Tensor] = {}
+        self.mean_cal: Dict[int, Tensor] = {}
+        self.omega: Dict[int, float] = {}
+        self.group_of: Dict[str, int] = {}
+        self.cross: Dict[str, Tensor] = {}
+        self.mean_out: Dict[str, Tensor] = {}
+        self.norm: Dict[str, Dict[str, Tensor]] = {}
+        self.num_tasks = 0
+
+    @staticmethod
+    def _add(store, key, value):
+        store[key] = value if key not in store else store[key] + value
+
+    def add_linear(self, gi, group, stats, expert_sites, hparams, with_bias=True) -> None:
+        from .solver import task_weight
+
+        d = SCORE_DTYPE
+        omega = task_weight(stats.gram, hparams.eps)
+        mean_cal = stats.mean_cal.to(d)
+        self._add(self.gram, gi, omega * stats.gram.to(d))
+        self._add(self.mean_cal, gi, omega * mean_cal)
+        self.omega[gi] = self.omega.get(gi, 0.0) + omega
+        for name in group.names:
+            site = expert_sites[name]
+            sd = stats.gram.dtype  # the products with the moments in their own dtype, as the solve's targets
+            weight = site.weight.to(sd)
+            bias = None if site.bias is None else site.bias.to(sd)
+            cross = stats.expert_cross(name, weight, bias).to(d)
+            mean_out = stats.expert_mean(name, weight, bias).to(d)
+            if bias is not None:
+                cross, mean_out = cross + torch.outer(bias.to(d), mean_cal), mean_out + bias.to(d)
+            self.group_of[name] = gi
+            self._add(self.cross, name, omega * cross)
+            self._add(self.mean_out, name, omega * mean_out)
+
+    def add_norm(self, name, stats, expert_site) -> None:
+        d = SCORE_DTYPE
+        q, z = stats.second_moment.to(d), stats.mean.to(d)
+        gamma = expert_site.weight.to(d)
+        beta = None if expert_site.bias is None else expert_site.bias.to(d)
+        entry = {"q": q, "r_gamma": q * gamma, "const": q * gamma * gamma}
+        if beta is not None:
+            entry.update(z=z, r_beta=z * gamma + beta, const=entry["const"] + 2 * z * gamma * beta + beta * beta)
+            entry["r_gamma"] = entry["r_gamma"] + z * beta
+        for key, value in entry.items():
+            self._add(self.norm.setdefault(name, {}), key, value)
+
+    def linear(self, name: str, weight: Tensor, bias: Optional[Tensor]) -> float:
+        d = SCORE_DTYPE
+        gi = self.group_of[name]
+        w = weight.to(d)
+        value = ((w @ self.gram[gi]) * w).sum() - 2.0 * (w * self.cross[name]).sum()
+        if bias is not None:
+            b = bias.to(d)
+            value = value + 2.0 * b @ (w @ self.mean_cal[gi]) + self.omega[gi] * (b @ b) - 2.0 * b @ self.mean_out[name]
+        return float(value)
+
+    def normalization(self, name: str, gamma: Tensor, beta: Optional[Tensor]) -> float:
+        d = SCORE_DTYPE
+        e = self.norm[name]
+        g = gamma.to(d)
+        value = (e["q"] * g * g).sum() - 2.0 * (g * e["r_gamma"]).sum() + e["const"].sum()
+        if "z" in e:
+            b = beta.to(d) if beta is not None else torch.zeros_like(g)
+            value = value + 2.0 * (e["z"] * g * b).sum() + self.num_tasks * (b @ b) - 2.0 * (b * e["r_beta"]).sum()
+        return float(value)
+
+    def score(self, solution: Mapping[str, Mapping[str, Tensor]], current: Mapping[str, Mapping[str, Tensor]]) -> float:
+        """The block's objective for a candidate's ``solution`` (site -> attribute -> value); attributes it leaves
+        unsolved (e.g. a bias with ``calibrate_bias`` off) keep their ``current`` values."""
+        total = 0.0
+        for name in self.group_of:
+            params = {**current[name], **solution.get(name, {})}
+            total += self.linear(name, params["weight"], params.get("bias"))
+        for name in self.norm:
+            params = {**current[name], **solution.get(name, {})}
+            total += self.normalization(name, params["weight"], params.get("bias"))
+        return total
+
+
+# ---- criteria (a) and (b) on held-out outputs ---------------------------------------------------------------------
+
+
+class AgreementMeter:
+    """Fraction of held-out tokens whose argmax prediction equals the expert's."""
+
+    def __init__(self):
+        self.agree = 0
+        self.count = 0
+
+    def update(self, logits: Tensor, expert_predictions: Tensor, mask: Optional[Tensor] = None) -> None:
+        same = logits.argmax(-1) == expert_predictions
+        if mask is not None:
+            same = same[mask.bool()]
+        self.agree += int(same.sum())
+        self.count += same.numel()
+
+    def result(self) -> float:
+        return self.agree / self.count if self.count else float("nan")
+
+
+def mean_over_tasks(per_task: Mapping[str, float]) -> float:
+    """Tasks count equally (as in the paper's averages), whatever their token counts."""
+    values = list(per_task.values())
+    return float(sum(values) / len(values)) if values else float("nan")

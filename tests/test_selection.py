@@ -1,0 +1,274 @@
+"""method.auto_select: label-free choice of lambda, rho and alpha (selection, autoselect)."""
+
+import copy
+import json
+from collections.abc import Mapping
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from featcal_fusionbench import FeatCalAlgorithm
+from featcal_fusionbench.algorithm import REPORT_NAME
+from featcal_fusionbench.autoselect import auto_calibrate
+from featcal_fusionbench.engine import FeatCalEngine, _LinearGroup
+from featcal_fusionbench.families import LayerNormSite, LinearSite, family_for
+from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.moments import LinearInputMoments, NormInputMoments, layer_norm_without_affine
+from featcal_fusionbench.selection import HeldoutObjective, SelectionOptions, heldout_split
+
+from helpers import tiny_causal_lm_world, tiny_world
+from test_algorithm import SpyUpstream, load_pool, make
+
+SMALL_GRID = {"lambda_": [1e-3, 0.05, 1.0], "rho": [1.0, 2.0], "alpha": [0.3, 0.6]}
+
+
+# ---- the held-out split -------------------------------------------------------------------------------------------
+
+
+def test_the_split_is_disjoint_covers_the_examples_and_is_fixed_by_seed_and_task():
+    fit, held = heldout_split(40, 0.25, 7, "mnist")
+    assert len(held) == 10 and set(fit).isdisjoint(held) and sorted(fit + held) == list(range(40))
+    assert heldout_split(40, 0.25, 7, "mnist") == (fit, held)
+    assert heldout_split(40, 0.25, 8, "mnist")[1] != held, "another seed, another split"
+    assert heldout_split(40, 0.25, 7, "svhn")[1] != held, "tasks are split independently"
+
+
+# ---- criterion (c) against an independent float64 computation ---------------------------------------------------
+
+
+def _tokens(n, d, seed):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_the_heldout_linear_objective_equals_the_mean_squared_error_to_the_expert_up_to_its_constant(projected):
+    d, m = 6, 3 if projected else 8
+    hp = FeatCalHParams(accumulation_dtype="float64")
+    held, direct = HeldoutObjective(), 0.0
+    w, b = _tokens(m, d, 1), _tokens(1, m, 2)[0]
+    for task in range(2):
+        x_cal, x_exp = _tokens(50 + 10 * task, d, 10 + task), _tokens(50 + 10 * task, d, 20 + task)
+        expert = LinearSite(torch.nn.Linear(d, m).double().requires_grad_(False))
+        y = x_exp @ expert.weight.T + expert.bias
+        moments = LinearInputMoments(d, torch.float64, "cpu", out_dims={"f": m} if projected else None)
+        moments.update(x_cal, None if projected else x_exp, None, {"f": y} if projected else None)
+        stats = moments.finalize()
+        held.add_linear(0, _LinearGroup(["f"], None), stats, {"f": expert}, hp)
+        held.num_tasks += 1
+        omega = 1.0 / float(torch.linalg.matrix_norm(x_cal.T @ x_cal / len(x_cal)))
+        residual = x_cal @ w.T + b - y
+        direct += omega * ((residual**2).sum(1).mean() - (y**2).sum(1).mean())
+    assert held.linear("f", w, b) == pytest.approx(float(direct), rel=1e-10)
+
+
+def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_experts_affine():
+    d = 5
+    held, direct = HeldoutObjective(), 0.0
+    gamma, beta = _tokens(1, d, 3)[0], _tokens(1, d, 4)[0]
+    for task in range(3):
+        x = _tokens(40, d, 30 + task)
+        ln = torch.nn.LayerNorm(d).double()
+        with torch.no_grad():
+            ln.weight.copy_(_tokens(1, d, 40 + task)[0]), ln.bias.copy_(_tokens(1, d, 50 + task)[0])
+        site = LayerNormSite(ln)
+        moments = NormInputMoments(d, layer_norm_without_affine((d,), ln.eps), torch.float64, "cpu")
+        moments.update(x, None)
+        held.add_norm("ln", moments.finalize(), site)
+        held.num_tasks += 1
+        z = F.layer_norm(x, (d,), eps=ln.eps)
+        direct += (((gamma * z + beta) - ln(x)) ** 2).sum(1).mean()
+    assert held.normalization("ln", gamma, beta) == pytest.approx(float(direct), rel=1e-10)
+
+
+# ---- options fail early ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"criterion": "accuracy"}, "criterion must be one of"),
+        ({"heldout_fraction": 0.0}, "heldout_fraction must lie strictly between 0 and 1"),
+        ({"heldout_fraction": 1.0}, "heldout_fraction must lie strictly between 0 and 1"),
+        ({"grid": {"lambda_": []}}, r"grid.lambda_ is empty"),
+        ({"grid": {"lambda_": [0.0, 1.0]}}, r"grid.lambda_ values must be > 0"),
+        ({"grid": {"beta": [1.0]}}, "grid has unknown key 'beta'"),
+        ({"grid": {"alpha": [1.5]}}, r"grid.alpha values must lie in \[0, 1\]"),
+        ({"search": "random"}, "search must be one of"),
+        ({"grid": {"last_block_patch_token_weight": [1.0, 0.01]}}, "criterion 'objective' .* cannot vary"),
+        ({"heldout": 0.2}, r"unknown option\(s\) \['heldout'\]"),
+        ("yes", "expected true, false or a mapping"),
+    ],
+)
+def test_bad_auto_select_options_fail_at_construction(value, message):
+    with pytest.raises(ValueError, match=f"invalid method.auto_select: .*{message}"):
+        FeatCalAlgorithm(auto_select=value)
+
+
+def test_too_few_examples_to_split_fail_before_the_upstream_runs(toy_world, tmp_path):
+    spy = SpyUpstream()
+    with pytest.raises(ValueError, match=r"cannot be split into a fit and a held-out part .*heldout_fraction=0.01"):
+        make(tmp_path, upstream=spy, auto_select={"heldout_fraction": 0.01}).run(load_pool(toy_world))
+    assert not spy.ran
+
+
+# ---- the search on tiny models -----------------------------------------------------------------------------------
+
+
+def _search(world, criterion, seed=0, **extra):
+    base, experts, merged, data = world
+    datasets = {t: [x for batch in batches for x in batch] for t, batches in data.items()}
+
+    def batches_of(dataset):
+        rows = [dataset[i] for i in range(len(dataset))]
+        if isinstance(rows[0], Mapping):
+            return [{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]} for i in range(0, len(rows), 4)]
+        return [torch.stack(rows[i:i + 4]) for i in range(0, len(rows), 4)]
+
+    options = SelectionOptions.parse({"criterion": criterion, "seed": seed, "grid": SMALL_GRID, **extra})
+
+    def make_engine(hp, family, search=False, **kwargs):
+        return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
+
+    model = copy.deepcopy(merged)
+    report = auto_calibrate(make_engine, lambda o: family_for(base, o), options, FeatCalHParams(), model, base,
+                            experts, datasets, batches_of, torch.device("cpu"))
+    return model, report
+
+
+def _rows(world):
+    """The tiny world's batches as rows (one example each), so that the split picks examples."""
+    base, experts, merged, data = world
+    rows = {}
+    for task, batches in data.items():
+        if isinstance(batches[0], Mapping):
+            rows[task] = [[{k: v[i] for k, v in b.items()} for i in range(len(b["input_ids"]))] for b in batches]
+        else:
+            rows[task] = batches
+    return base, experts, merged, rows
+
+
+@pytest.mark.parametrize("criterion", ["objective", "drift"])
+def test_a_seeded_search_chooses_the_same_values_twice(criterion):
+    world = tiny_world(batches=4)
+    first_model, first = _search(world, criterion)
+    second_model, second = _search(world, criterion)
+    assert first["auto_select"]["choice"] == second["auto_select"]["choice"]
+    for p, q in zip(first_model.parameters(), second_model.parameters()):
+        assert torch.equal(p, q)
+    other = _search(world, criterion, seed=1)[1]["auto_select"]
+    assert other["split"] == first["auto_select"]["split"], "sizes depend on the fraction alone"
+
+
+def test_the_objective_search_is_one_calibration_with_every_candidate_scored_in_every_block():
+    _, report = _search(tiny_world(batches=4), "objective")
+    auto = report["auto_select"]
+    assert auto["calibrations"] == 1 and auto["search"] == "per_block"
+    assert auto["grid"]["alpha"] == [0.3, 0.6]
+    assert len(auto["blocks"]) == report["num_blocks"] == 3
+    for block in auto["blocks"]:
+        assert set(block["scores"]) == set(auto["candidates"]) and len(auto["candidates"]) == 12
+        assert block["chosen"] == min(block["scores"], key=block["scores"].get)
+    assert [entry["hparams"] for entry in report["blocks"]] == [
+        dict(zip(("lambda_", "rho", "alpha"), (float(v.split("=")[1]) for v in key.split(","))))
+        for key in auto["choice"]["per_block"]
+    ], "the final calibration runs the chosen schedule"
+    assert auto["cost_multiple"] > 0 and auto["search_seconds"] > 0
+
+
+def test_a_one_point_grid_gives_exactly_the_calibration_with_those_values():
+    """The final calibration is an ordinary one on all examples: with nothing to choose, it is bit-identical."""
+    world = tiny_world(batches=4)
+    base, experts, merged, data = world
+    grid = {"lambda_": [0.05], "rho": [2.0], "alpha": [0.3]}
+    chosen, _ = _search(world, "objective", grid=grid)
+    plain = copy.deepcopy(merged)
+    batches = {t: [torch.cat(b)[i:i + 4] for i in range(0, sum(len(x) for x in b), 4)] for t, b in data.items()}
+    FeatCalEngine(family_for(base), FeatCalHParams(), "cpu", progress=False).run(plain, base, experts, batches)
+    for p, q in zip(chosen.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_coordinate_search_tries_lambda_then_rho_and_alpha():
+    _, report = _search(tiny_world(batches=4), "drift")
+    auto = report["auto_select"]
+    # 3 lambdas, then 2 x 2 (rho, alpha) of which none repeats a lambda-stage point (rho 2.0 alpha 0.3 did), then
+    # the patch weight's 2 values, one already scored.
+    assert auto["calibrations"] == len(auto["candidates"]) == 3 + 3 + 1
+    assert auto["criterion_used"] == "drift"
+    best = max(auto["candidates"].values(), key=lambda s: s["score"])["score"]
+    chosen = ",".join(f"{k}={v:g}" for k, v in auto["choice"]["global"].items())
+    assert auto["candidates"][chosen]["score"] == best
+
+
+def test_agreement_uses_the_language_models_head_and_clip_falls_back_to_drift():
+    llm = _rows(tiny_causal_lm_world("llama", batches=4))
+    _, report = _search(llm, "agreement", grid={"lambda_": [1e-3, 1.0], "rho": [1.0], "alpha": [0.3]})
+    auto = report["auto_select"]
+    assert auto["criterion_used"] == "agreement"
+    assert all(0.0 <= s["score"] <= 1.0 for s in auto["candidates"].values())
+    _, clip = _search(tiny_world(batches=4), "agreement", grid={"lambda_": [1.0], "rho": [1.0], "alpha": [0.3]})
+    assert clip["auto_select"]["criterion_used"] == "drift"
+
+
+# ---- through FusionBench, without labels ------------------------------------------------------------------------
+
+
+class LabelTrap(dict):
+    def __getitem__(self, key):
+        if key == "label":
+            raise AssertionError("a label was read")
+        return super().__getitem__(key)
+
+
+class Unlabeled:
+    """A dataset whose rows raise on their label."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return LabelTrap(self.dataset[index])
+
+
+@pytest.mark.parametrize("criterion", ["objective", "drift"])
+def test_the_selection_never_reads_a_label_and_reports_its_choice(toy_world, tmp_path, criterion):
+    pool = load_pool(toy_world)
+    load = pool.load_train_dataset
+    pool.load_train_dataset = lambda task: Unlabeled(load(task))
+    grid = {"lambda_": [0.01, 1.0], "rho": [2.0], "alpha": [0.3]}
+    make(tmp_path, auto_select={"criterion": criterion, "grid": grid}).run(pool)
+    report = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
+    assert report["criterion"] == criterion and report["split"]["toy_0"] == {"fit": 12, "heldout": 4}
+    assert report["grid"]["lambda_"] == [0.01, 1.0] and report["choice"]
+
+
+def test_auto_select_off_runs_no_search(toy_world, tmp_path):
+    make(tmp_path, auto_select=False).run(load_pool(toy_world))
+    report = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())
+    assert "auto_select" not in report and all("hparams" not in b and "selection" not in b for b in report["blocks"])
+
+
+# ---- configs -------------------------------------------------------------------------------------------------------
+
+
+def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
+    import fusion_bench_config
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweep = OverridesParser.create().parse_overrides(["method.lambda_=0.01,0.05"])[0]
+    values = list(sweep.sweep_iterator())
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+        auto = compose("fabric_model_fusion", overrides=["method=featcal/auto_clip_ta"]).method
+        runs = [compose("fabric_model_fusion", overrides=["method=featcal", f"method.lambda_={v}"]).method for v in values]
+    GlobalHydra.instance().clear()
+    options = SelectionOptions.parse(OmegaConf.to_container(auto.auto_select))
+    assert options.criterion == "objective" and options.heldout_fraction == 0.25
+    assert [r.lambda_ for r in runs] == [0.01, 0.05] and all(r.auto_select is False for r in runs)
