@@ -95,6 +95,12 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         tasks = self.check_pool(modelpool)
         world_size = self.fabric.world_size
         if self.selection_options is not None:
+            if world_size > 1 and self.selection_options.criterion != "objective":
+                # Their held-out scores are not all-reduced yet: ranks could choose differently.
+                raise ValueError(
+                    f"auto_select criterion {self.selection_options.criterion!r} runs on one device only; "
+                    "use criterion objective (its moments are all-reduced) on several"
+                )
             share = hp.num_calibration_examples // world_size
             check_split_sizes(share, 1, self.selection_options.heldout_fraction, tasks)
         with self.profile("load models"):
