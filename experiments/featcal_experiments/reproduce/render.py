@@ -17,6 +17,7 @@ import csv
 import io
 import json
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -449,7 +450,7 @@ def plot_budget(model: TableModel, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("calibration examples per task (n)")
     ax.set_ylabel("average accuracy (%)")
-    ax.set_title(f"Table {model.number} ({model.world}): {model.blocks[0].title}", fontsize=8)
+    ax.set_title(textwrap.fill(f"Table {model.number} ({model.world}): {model.blocks[0].title}", 80), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
