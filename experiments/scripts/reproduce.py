@@ -18,8 +18,9 @@ run in its own folder under --out: each upstream merger (Simple Averaging, Task 
 once, is evaluated, and saves its merged model (AdaMerging also its merging weights); Surgery, ProbSurgery and
 FeatCal then start from that saved model (`method.merged_model_path`). A run whose result exists with the same
 command is skipped, so an interrupted invocation resumes. Rendered tables go to OUT/tables/table_N.{md,tex,csv}.
-`--world offline` maps Tables 1 and 12 to the offline CLIP world and Table 3's base rows to the offline text world; the
-other rows have no offline world and are listed as skipped, with the reason.
+`--world offline` maps Tables 1 and 12 to the offline CLIP world, Table 3's base rows to the offline text world and
+Table 4's 3B block to the offline LLM world, whose sample budget is Table 12-llm (n = 8, 32, 128; not a table of the
+paper); the other rows have no offline world and are listed as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from featcal_experiments.reproduce.catalog import Catalog, CatalogError, list_li
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", action="append", required=True,
-                        help="1, 2, 3, 7, 8, 9, 10, 11, 12, I (Tables 7-11) or all; repeat or comma-separate")
+                        help="1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 12-llm (the offline LLM world's sample budget), I (Tables 7-11) "
+                             "or all; repeat or comma-separate")
     parser.add_argument("--rows", default=None,
                         help="comma-separated row ids, id prefixes, globs or method names (default: every row)")
     parser.add_argument("--world", choices=["hub", "offline"], default="hub")
