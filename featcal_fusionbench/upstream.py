@@ -7,7 +7,9 @@ pool (FusionBench's own "base method, then calibrate" pattern).
 
 from __future__ import annotations
 
+import copy
 import logging
+from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from omegaconf import DictConfig
@@ -50,6 +52,24 @@ def check_upstream_source(modelpool, upstream: Any, merged_model_path: Optional[
         )
 
 
+def load_saved_model(path: str, reference: nn.Module) -> nn.Module:
+    """A merged model saved by FusionBench's ``merged_model_save_path``: a ``save_pretrained`` folder (HF models), or
+    the state dict file that ``BaseModelPool.save_model`` writes for other models (OpenCLIP's ``ImageEncoder``),
+    loaded into a copy of ``reference`` (the base: same class and keys)."""
+    loader = getattr(type(reference), "from_pretrained", None)
+    if loader is not None:
+        # In the base's dtype: from_pretrained's default is float32, which would double a bf16 LLM.
+        dtype = getattr(reference, "dtype", None)
+        return loader(path, **({"torch_dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"merged_model_path {path!r}: a {type(reference).__name__} has no from_pretrained, so a saved one is the "
+            f"state dict file FusionBench's model pool writes (torch.save), and there is no such file")
+    merged = copy.deepcopy(reference)
+    merged.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return merged
+
+
 def load_merged_model(
     modelpool, upstream: Any, merged_model_path: Optional[str], parent: Any, reference: nn.Module
 ) -> Tuple[nn.Module, str]:
@@ -58,13 +78,7 @@ def load_merged_model(
     if merged_model_path is not None:
         if upstream is not None or modelpool.has_merged:
             log.warning("merged_model_path is set: the upstream method and any `_merged_` entry are not used")
-        loader = getattr(type(reference), "from_pretrained", None)
-        if loader is None:
-            raise TypeError(f"cannot load a saved {type(reference).__name__}: it has no from_pretrained")
-        # In the base's dtype: from_pretrained's default is float32, which would double a bf16 LLM.
-        dtype = getattr(reference, "dtype", None)
-        merged = loader(merged_model_path, **({"torch_dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
-        return merged, f"path:{merged_model_path}"
+        return load_saved_model(merged_model_path, reference), f"path:{merged_model_path}"
     if modelpool.has_merged:
         if upstream is not None:
             log.warning("the pool has `_merged_`: the upstream method config is not run")

@@ -174,20 +174,6 @@ def tiny_t5_world(num_tasks: int = 2, seed: int = 0, batches: int = 2, pad_to: i
     return base, experts, merged, data
 
 
-def compose_pools(modelpool: str, taskpool: str):
-    """(modelpool, taskpool) configs as the `fusion_bench` CLI composes them (this package's search-path plugin
-    included), unresolved."""
-    import fusion_bench_config
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
-        cfg = compose("fabric_model_fusion", overrides=[f"modelpool={modelpool}", f"taskpool={taskpool}"])
-    GlobalHydra.instance().clear()
-    return cfg.modelpool, cfg.taskpool
-
-
 # ---- tiny decoder-only causal LMs (Llama with grouped-query attention, Mistral, Qwen2, Gemma-2) --------------
 
 CAUSAL_LM_VOCAB = 64

@@ -8,14 +8,12 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import yaml
 from omegaconf import OmegaConf
 
 from featcal_experiments.worlds.clip_world import CLIP8, CLIP_QUICK, CLIPWorldSpec, TaskSpec, build_clip_world
-from featcal_experiments.worlds.registry import ENV_DIR
+from featcal_experiments.worlds.registry import ENV_DIR, compose_pools
 from fusion_bench.utils import instantiate
 
-from helpers import compose_pools
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,26 +68,25 @@ def test_a_missing_world_fails_with_the_build_command(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("subset,size", [("offline_clip8", 8), ("offline_clip4", 4), ("offline_clip2", 2)])
 def test_packaged_subsets_name_tasks_of_the_world(subset, size):
-    for kind in ("modelpool/CLIPVisionModelPool", "taskpool/CLIPVisionModelTaskPool"):
-        config = yaml.safe_load((REPO / "experiments" / "config" / kind / f"{subset}.yaml").read_text())
-        tasks = list(config["test_datasets"])
-        assert len(tasks) == size and set(tasks) <= set(CLIP8.task_names)
-        if kind.startswith("modelpool"):
-            assert list(config["models"]) == ["_pretrained_", *tasks] and list(config["train_datasets"]) == tasks
-    assert [t.name for t in CLIP8.tasks] == list(yaml.safe_load(
-        (REPO / "experiments/config/modelpool/CLIPVisionModelPool/offline_clip8.yaml").read_text())["test_datasets"])
+    modelpool_cfg, taskpool_cfg = packaged_pools(subset)
+    tasks = list(taskpool_cfg.test_datasets)
+    assert len(tasks) == size and set(tasks) <= set(CLIP8.task_names)
+    assert list(modelpool_cfg.models) == ["_pretrained_", *tasks]
+    assert list(modelpool_cfg.train_datasets) == list(modelpool_cfg.test_datasets) == tasks
+    assert [t.name for t in CLIP8.tasks] == list(packaged_pools("offline_clip8")[1].test_datasets)
 
 
-def test_the_quick_world_is_served_by_its_own_packaged_configs(tmp_path, monkeypatch):
-    """`clip-quick` (the quick start's world) is a separate registered world: its configs name its tasks and its
-    folder, and fail with its own build command before it is built."""
+@pytest.mark.parametrize("pools", ["CLIPVisionModelPool", "OpenCLIPVisionModelPool"])
+def test_the_quick_world_is_served_by_its_own_packaged_configs(pools, tmp_path, monkeypatch):
+    """`clip-quick` (the quick start's world) is a separate registered world: its configs (HF and OpenCLIP) name its
+    tasks and its folder, and fail with its own build command before it is built."""
     assert set(CLIP_QUICK.task_names) <= set(CLIP8.task_names) and CLIP_QUICK.name == "clip-quick"
-    for kind in ("modelpool/CLIPVisionModelPool", "taskpool/CLIPVisionModelTaskPool"):
-        text = (REPO / "experiments" / "config" / kind / "offline_clip_quick.yaml").read_text()
-        assert "${featcal_world:clip}" not in text
-        assert list(yaml.safe_load(text)["test_datasets"]) == CLIP_QUICK.task_names
+    taskpools = pools.replace("ModelPool", "ModelTaskPool")
+    modelpool_cfg, taskpool_cfg = compose_pools(f"{pools}/offline_clip_quick", f"{taskpools}/offline_clip_quick")
+    for config in (modelpool_cfg, taskpool_cfg):
+        assert "${featcal_world:clip}" not in OmegaConf.to_yaml(config)
+        assert list(config.test_datasets) == CLIP_QUICK.task_names
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
-    modelpool_cfg, _ = packaged_pools("offline_clip_quick")
     with pytest.raises(Exception, match="featcal-world build clip-quick"):
         OmegaConf.to_container(modelpool_cfg, resolve=True)
 

@@ -22,11 +22,12 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 import featcal_fusionbench.openclip_pools as pools
-from featcal_fusionbench import ProbSurgeryAlgorithm, SurgeryAlgorithm
+from featcal_fusionbench import FeatCalAlgorithm, ProbSurgeryAlgorithm, SurgeryAlgorithm
 from featcal_fusionbench.baselines import SurgeryModelWrapper
 from featcal_fusionbench.baselines.modules import EncoderOutputSurgery
 from featcal_fusionbench.families import family_for
 from featcal_fusionbench.families.openclip_vision import OpenCLIPVisionFamily, activation_of
+from fusion_bench.method import TaskArithmeticAlgorithm
 from fusion_bench.models.open_clip import ClassificationHead, ImageClassifier
 from fusion_bench.taskpool import OpenCLIPVisionModelTaskPool
 from fusion_bench.utils import instantiate
@@ -180,6 +181,29 @@ def test_a_bad_model_name_fails_before_the_checkpoint_is_read(tiny_architecture)
     pool = pools.OpenCLIPPool(OmegaConf.create({"_pretrained_": {"model_name": "ViT-X", "pickle_path": "/absent.pt"}}))
     with pytest.raises(ValueError, match="'ViT-X'"):
         pool.load_pretrained_model()
+
+
+@pytest.mark.parametrize("cls", [FeatCalAlgorithm, SurgeryAlgorithm], ids=lambda c: c.__name__)
+def test_a_merged_encoder_saved_by_the_pool_is_read_back_by_merged_model_path(cls, tiny_pool, tmp_path):
+    """`merged_model_save_path` on an OpenCLIP pool writes the state dict file of BaseModelPool.save_model (an
+    ImageEncoder has no save_pretrained); a calibrator's `method.merged_model_path` reads that file back into the base's
+    class and calibrates what it would calibrate from the upstream merger itself."""
+    pool = load(tiny_pool["modelpool"])
+    pool.save_model(TaskArithmeticAlgorithm(scaling_factor=0.3, inplace=False).run(pool), str(tmp_path / "merged"))
+    assert (tmp_path / "merged").is_file()
+    results = []
+    for kwargs in ({"upstream": TA}, {"upstream": None, "merged_model_path": str(tmp_path / "merged")}):
+        algo = cls(num_calibration_examples=8, batch_size=4, **({"max_steps": 2} if cls is SurgeryAlgorithm else {}),
+                   **kwargs)
+        algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+        results.append(algo.run(load(tiny_pool["modelpool"])).state_dict())
+    assert list(results[0]) == list(results[1])
+    for key, value in results[0].items():
+        torch.testing.assert_close(results[1][key], value, msg=key)
+    algo = cls(upstream=None, merged_model_path=str(tmp_path / "absent"), num_calibration_examples=8)
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(FileNotFoundError, match="state dict file"):
+        algo.run(load(tiny_pool["modelpool"]))
 
 
 def run_baseline(cls, tiny_pool, **kwargs):

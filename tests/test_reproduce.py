@@ -62,13 +62,19 @@ def overrides_of(run):
 
 def test_every_printed_row_of_every_table_is_in_the_catalog(tmp_path):
     catalog = Catalog("hub", tmp_path)
-    assert set(TABLES) == set(PAPER) | {"12-llm"}  # one table of ours: the LLM world's sample budget
+    assert set(TABLES) == set(PAPER) | {"1-openclip", "12-llm"}  # ours: OpenCLIP models, the LLM world's budget
     assert all(r.skip and "offline LLM world" in r.skip and not r.runs for r in catalog.rows("12-llm"))
     for table in PAPER:
         rows = catalog.rows(table)
         assert {r.paper_key for r in rows} == set(PAPER[table]["rows"]), table
         assert len({r.id for r in rows}) == len(rows)
         assert [r.id for r in rows if r.skip] == (["mtl"] if table in ("1", "7") else [])
+    # Table 1's rows on the OpenCLIP task-vector checkpoints: no paper numbers, no AdaMerging on an OpenCLIP pool
+    openclip = catalog.rows("1-openclip")
+    assert [r.method for r in openclip] == [m for m in TABLES["1"].methods if m != "mtl"]
+    assert all(r.paper_key is None and r.setting == "openclip-b32-8" for r in openclip)
+    assert [r.id for r in openclip if r.skip] == ["adamerging", *(f"adamerging+{c}" for c in CALIBRATORS)]
+    assert all("HF CLIP pool only" in r.skip and not r.runs for r in openclip if r.skip)
     # the paper's per-task columns are the settings' FusionBench task names
     for table, setting in (("1", "b32-8"), ("7", "l14-8"), ("8", "b32-14"), ("9", "l14-14"), ("10", "b32-20"),
                            ("11", "l14-20")):
@@ -96,6 +102,10 @@ def test_offline_world_maps_table_1_and_table_3_base_and_skips_the_rest_with_a_r
     for row in catalog.rows("1"):
         assert row.setting == "offline-clip8"
         assert bool(row.skip) == (row.method == "mtl")
+    # Table 1's OpenCLIP rows: the same world served as OpenCLIP models, the same tasks, run folders apart
+    for row in catalog.rows("1-openclip"):
+        assert row.setting == "offline-openclip8" and bool(row.skip) == row.method.startswith("adamerging")
+    assert catalog.tasks("offline-openclip8") == catalog.tasks("offline-clip8")
     for table in ("2", "7", "8", "9", "10", "11"):
         assert all(r.skip and "no offline" in r.skip and not r.runs for r in catalog.rows(table))
     for row in catalog.rows("3"):
@@ -159,7 +169,7 @@ def test_commands_are_complete_and_calibrators_read_the_saved_upstream_model(tmp
     runs = all_runs(catalog)
     # Table 2's runs are App. I's; Table 12 reads Table 1's TA; Table 4: per model the base, 3 experts, TA and 3
     # calibrators (its fine-tuned row reads the base's run for ARC-C, which no expert was trained for)
-    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26 + 63 + 2 * 8
+    assert len(runs) == 25 + 25 + 31 + 31 + 37 + 37 + 26 + 63 + 2 * 8 + 21  # and Table 1's rows on OpenCLIP
     for run in runs.values():
         args = overrides_of(run)
         assert run.command.startswith("fusion_bench method=")
@@ -336,7 +346,7 @@ def check_composed(cfg, run, catalog, upstream_saves):
     elif run.kind == "calibrator":
         assert method["_target_"].startswith("featcal_fusionbench.")
         assert method["merged_model_path"] == upstream_saves[run.depends[0]]
-        if run.calibrator == "featcal" and setting.family == "clip":
+        if run.calibrator == "featcal" and setting.family in ("clip", "openclip"):
             assert (method["lambda_"], method["rho"], method["alpha"]) == (0.05, 2.0, 0.3)
         if world == "offline" and setting.family == "t5":
             assert method["calibration_datasets"] is None
@@ -354,7 +364,10 @@ def check_composed(cfg, run, catalog, upstream_saves):
         assert cfg.modelpool.models._get_node("_pretrained_")._value() == f"${{.{run.task}}}"
         if world == "hub":  # the expert's own pool entry, resolved (a hub name or its LoRA config)
             models = OmegaConf.to_container(cfg.modelpool.models, resolve=True)
-            assert models["_pretrained_"] == models[run.task] and run.task in json.dumps(models[run.task])
+            assert models["_pretrained_"] == models[run.task]
+            # (the task-vector checkpoints' folders are named otherwise: Cars for stanford-cars)
+            assert (run.task in json.dumps(models[run.task]) if setting.family != "openclip"
+                    else "finetuned.pt" in models[run.task]["pickle_path"])
     else:
         assert method["_target_"] == "fusion_bench.method.DummyAlgorithm"
     if run.method != "finetuned":
@@ -370,6 +383,10 @@ def check_composed(cfg, run, catalog, upstream_saves):
         arch = "large-patch14" if run.setting.startswith("l14") else "base-patch32"
         assert cfg.taskpool.base_model == f"openai/clip-vit-{arch}"
         assert f"openai/clip-vit-{arch}" in json.dumps(OmegaConf.to_container(cfg.modelpool, resolve=True)["processor"])
+    if setting.family == "openclip":  # our OpenCLIP pools: QuickGELU encoders, the task set per dataset
+        assert cfg.modelpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPPool"
+        assert cfg.taskpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPTaskPool"
+        assert list(cfg.taskpool.classification_heads) == list(tasks)
 
 
 @pytest.mark.parametrize("world", ["hub", "offline"])

@@ -11,14 +11,13 @@ from omegaconf import OmegaConf
 
 from featcal_experiments.worlds import text_sources
 from featcal_experiments.worlds.cli import main as world_cli
-from featcal_experiments.worlds.registry import ENV_DIR, WORLDS
+from featcal_experiments.worlds.registry import ENV_DIR, WORLDS, compose_pools
 from featcal_experiments.worlds.t5_world import (
     T5_WORLD, T5WorldSpec, build_t5_world, expert_matrix_table, regime_table, score, span_corruption,
 )
 from featcal_experiments.worlds.text_sources import TaskSizes
 from fusion_bench.utils import instantiate
 
-from helpers import compose_pools
 
 REPO = Path(__file__).resolve().parents[1]
 

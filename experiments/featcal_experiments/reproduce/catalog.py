@@ -77,7 +77,7 @@ CAUSAL_LM_UPSTREAMS = {
 class Setting:
     key: str
     title: str
-    family: str  # "clip", "t5" or "causal_lm"
+    family: str  # "clip", "openclip", "t5" or "causal_lm"
     modelpool: str
     taskpool: str
     tasks: Tuple[str, ...] = ()
@@ -98,12 +98,17 @@ class Setting:
     # (n, seed) of the calibrator rows outside a budget table, where a budget table runs this setting too: those
     # rows are then that table's runs (one run, not two with the same n and seed)
     budget: Optional[Tuple[int, int]] = None
+    # upstream -> why it cannot run in this setting (its rows and the calibrators' after it are skipped)
+    unavailable: Dict[str, str] = field(default_factory=dict)
 
     def calibrator_config(self, calibrator: str, upstream: str) -> str:
         return self.calibrator_configs[calibrator].format(u=upstream)
 
 
 CLIP_CALIBRATORS = {c: f"{c}/clip_{{u}}" for c in CALIBRATORS}
+OPENCLIP_CALIBRATORS = {c: f"{c}/openclip_{{u}}" for c in CALIBRATORS}
+NO_OPENCLIP_ADAMERGING = {"adamerging": "FusionBench's layer-wise AdaMerging (adamerging/clip) runs on the HF CLIP "
+                                        "pool only: it needs that pool's zero-shot heads"}
 T5_CALIBRATORS = {"surgery": "surgery/flan_t5_ta", "probsurgery": "probsurgery/flan_t5_ta", "featcal": "featcal/flan_t5_ta"}
 L14 = ("taskpool.base_model=openai/clip-vit-large-patch14",)
 
@@ -128,6 +133,13 @@ HUB_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
     _clip("l14-8", "CLIP-ViT-L/14, 8 tasks (TA8)", "large-patch14", "TA8", TA8),
     _clip("l14-14", "CLIP-ViT-L/14, 14 tasks (TALL14)", "large-patch14", "TALL14", TALL14),
     _clip("l14-20", "CLIP-ViT-L/14, 20 tasks (TALL20)", "large-patch14", "TALL20", TALL20),
+    # The task-vector checkpoints themselves (OpenCLIP), through FusionBench's OpenCLIP pools
+    Setting(
+        key="openclip-b32-8", title="OpenCLIP ViT-B/32, 8 tasks (TA8): the task-vector checkpoints", family="openclip",
+        modelpool="OpenCLIPVisionModelPool/ViT-B-32_TA8_quickgelu",
+        taskpool="OpenCLIPVisionModelTaskPool/ViT-B-32_TA8_active_task",
+        tasks=TA8, calibrator_configs=OPENCLIP_CALIBRATORS, unavailable=NO_OPENCLIP_ADAMERGING,
+    ),
     Setting(
         key="t5-base", title="FLAN-T5-base, 8 GLUE tasks (full fine-tuned experts)", family="t5",
         modelpool=PAPER_POOLS["flan-t5-base_glue"].modelpool, taskpool=PAPER_POOLS["flan-t5-base_glue"].taskpool,
@@ -156,6 +168,13 @@ OFFLINE_SETTINGS: Dict[str, Setting] = {s.key: s for s in [
         calibrator_configs=CLIP_CALIBRATORS,
         # AdaMerging's 8 loader workers only add process start-up on small CPU machines
         upstream_overrides={"adamerging": ("method.num_workers=0",)},
+        world="clip", offline_env=True,
+    ),
+    Setting(
+        key="offline-openclip8", title="offline CLIP world `clip` served as OpenCLIP models (converted checkpoints)",
+        family="openclip", modelpool="OpenCLIPVisionModelPool/offline_clip8",
+        taskpool="OpenCLIPVisionModelTaskPool/offline_clip8",
+        calibrator_configs=OPENCLIP_CALIBRATORS, unavailable=NO_OPENCLIP_ADAMERGING,
         world="clip", offline_env=True,
     ),
     Setting(
@@ -249,6 +268,14 @@ TABLES: Dict[str, TableSpec] = {
         "12", PAPER["12"]["caption"], (Group("", HUB_SETTINGS["b32-8"].title, "b32-8", "offline-clip8"),),
         tuple(f"ta+{c}" for c in CALIBRATORS), layout="budget",
         budgets=tuple(int(c[1:]) for c in PAPER["12"]["columns"]), seeds=(42, 43, 44),
+    ),
+    # Not a table of the paper: Table 1's rows on the OpenCLIP task-vector checkpoints (FusionBench's OpenCLIP pools),
+    # offline on the same world as Table 1 served as OpenCLIP models
+    "1-openclip": TableSpec(
+        "1-openclip", "Table 1's rows on OpenCLIP models: the task-vector checkpoints (ViT-B/32, TA8) through "
+        "FusionBench's OpenCLIP pool and task pool; offline, the CLIP world's checkpoints converted to OpenCLIP.",
+        (Group("", HUB_SETTINGS["openclip-b32-8"].title, "openclip-b32-8", "offline-openclip8"),),
+        ("pretrained", "finetuned", *_merger_rows()),
     ),
     # Not a table of the paper: its Table 12 for the offline LLM world (the paper has no LLM sample budget)
     "12-llm": TableSpec(
@@ -516,6 +543,10 @@ class Catalog:
                 if key is None:
                     why = (group.offline_missing or NO_OFFLINE) if self.world == "offline" else group.hub_missing
                     out.append(Row(setting=None, skip=why, **base))
+                    continue
+                upstream = method.split("+", 1)[0]
+                if upstream in self.settings[key].unavailable:
+                    out.append(Row(setting=key, skip=self.settings[key].unavailable[upstream], **base))
                     continue
                 if method == "mtl":
                     out.append(Row(setting=key, skip="paper number only: Traditional MTL is joint multi-task "

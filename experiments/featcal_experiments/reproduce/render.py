@@ -242,7 +242,7 @@ def build_table(catalog: Catalog, number: str, results: Dict[str, dict],
         for group in spec.groups:
             key = group.hub if hub else group.offline
             group_rows = [r for r in rows if r.group == group.key]
-            if hub:
+            if hub and number in PAPER:
                 columns = [(c, paper["labels"].get(c, c)) for c in paper["columns"]]
             elif key is not None:
                 tasks, _ = catalog.tasks(key)
@@ -303,7 +303,9 @@ def markdown(model: TableModel) -> str:
     out = [f"## {head}", "", f"Paper: {model.caption}", "",
            f"Runs: `{model.runs_dir}`. Cells: paper (as printed), ours, diff = ours - paper (points)."
            if model.has_paper else
-           f"Runs: `{model.runs_dir}`. Offline world: the paper column is empty (another model and other tasks).", ""]
+           f"Runs: `{model.runs_dir}`. Offline world: the paper column is empty (another model and other tasks)."
+           if model.world == "offline" else
+           f"Runs: `{model.runs_dir}`. Not a table of the paper: the paper column is empty.", ""]
     for block in model.blocks:
         if block.title:
             out += [f"### {block.title}", ""]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .registry import WORLDS, build_world, fusion_bench_args, is_built, world_path, worlds_dir
+from .registry import WORLDS, build_world, fusion_bench_args, is_built, pools, world_path, worlds_dir
 
 
 def main(argv=None) -> int:
@@ -20,6 +20,8 @@ def main(argv=None) -> int:
     path.add_argument("--build", action="store_true", help="build it first if absent")
     fb_args = sub.add_parser("args", help="print the fusion_bench arguments that select a world's pools")
     fb_args.add_argument("name", choices=sorted(WORLDS))
+    fb_args.add_argument("--openclip", action="store_true",
+                         help="the world served through FusionBench's OpenCLIP pool and task pool (CLIP worlds)")
     args = parser.parse_args(argv)
 
     if args.command == "list":
@@ -32,10 +34,15 @@ def main(argv=None) -> int:
         print(build_world(args.name, force=args.force))
         return 0
     if args.command == "args":
+        try:
+            pools(args.name, openclip=args.openclip)
+        except KeyError as error:  # a world with no OpenCLIP pools: named before the build check
+            print(error.args[0], file=sys.stderr)
+            return 2
         if not is_built(args.name):
             print(f"world {args.name!r} is not built; run: featcal-world build {args.name}", file=sys.stderr)
             return 1
-        print(" ".join(fusion_bench_args(args.name)))
+        print(" ".join(fusion_bench_args(args.name, openclip=args.openclip)))
         return 0
     if args.build:
         build_world(args.name)

@@ -9,7 +9,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .clip_world import CLIP8, CLIP_QUICK, build_clip_world
 from .t5_world import T5_WORLD, build_t5_world
@@ -26,6 +26,8 @@ class World:
     modelpool: str
     taskpool: str
     packaged: bool = False  # pools shipped with this package; otherwise inside the world's own config/ folder
+    # the same world served through FusionBench's OpenCLIP pool and task pool (worlds/openclip_serving.py)
+    openclip: Optional[Tuple[str, str]] = None
 
 
 TOY_SPEC = ToyCLIPSpec(
@@ -48,6 +50,7 @@ WORLDS: Dict[str, World] = {
         modelpool="CLIPVisionModelPool/offline_clip8",
         taskpool="CLIPVisionModelTaskPool/offline_clip8",
         packaged=True,
+        openclip=("OpenCLIPVisionModelPool/offline_clip8", "OpenCLIPVisionModelTaskPool/offline_clip8"),
     ),
     "clip-quick": World(
         name="clip-quick",
@@ -56,6 +59,7 @@ WORLDS: Dict[str, World] = {
         modelpool="CLIPVisionModelPool/offline_clip_quick",
         taskpool="CLIPVisionModelTaskPool/offline_clip_quick",
         packaged=True,
+        openclip=("OpenCLIPVisionModelPool/offline_clip_quick", "OpenCLIPVisionModelTaskPool/offline_clip_quick"),
     ),
     "t5": World(
         name="t5",
@@ -127,13 +131,44 @@ def build_fingerprint(root: Path) -> Optional[str]:
     return hashlib.sha1(path.read_bytes()).hexdigest()[:12] if path.is_file() else None
 
 
-def fusion_bench_args(name: str) -> List[str]:
+def pools(name: str, openclip: bool = False) -> Tuple[str, str]:
+    """The (modelpool, taskpool) config names of a world; ``openclip``: those serving it as an OpenCLIP pool."""
+    world = get_world(name)
+    if not openclip:
+        return world.modelpool, world.taskpool
+    if world.openclip is None:
+        served = ", ".join(n for n, w in WORLDS.items() if w.openclip)
+        raise KeyError(f"world {name!r} has no OpenCLIP pools; worlds served as OpenCLIP pools: {served}")
+    return world.openclip
+
+
+def fusion_bench_args(name: str, openclip: bool = False) -> List[str]:
     """The `fusion_bench` arguments that select a world's pools. A world whose configs live in its own folder adds
     that folder by a ``hydra.searchpath`` override rather than ``--config-dir``, which works only before every
     override: these arguments go anywhere on the command line."""
     world = get_world(name)
+    modelpool, taskpool = pools(name, openclip)
     search = [] if world.packaged else [f"hydra.searchpath=[file://{world_path(name) / 'config'}]"]
-    return [*search, f"modelpool={world.modelpool}", f"taskpool={world.taskpool}"]
+    return [*search, f"modelpool={modelpool}", f"taskpool={taskpool}"]
+
+
+def compose_pools(modelpool: str, taskpool: str):
+    """(modelpool, taskpool) configs as the `fusion_bench` CLI composes them (the installed search-path plugins and
+    their ``defaults:`` included), unresolved."""
+    import fusion_bench_config
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .resolvers import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+            cfg = compose("fabric_model_fusion", overrides=[f"modelpool={modelpool}", f"taskpool={taskpool}"])
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg.modelpool, cfg.taskpool
 
 
 def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[str] = None):
@@ -142,18 +177,15 @@ def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[
 
     from .resolvers import register_resolvers
 
-    register_resolvers()
     world = get_world(name)
+    modelpool, taskpool = modelpool or world.modelpool, taskpool or world.taskpool
     if world.packaged:
-        import featcal_experiments_config
-
-        config = Path(list(featcal_experiments_config.__path__)[0])
-    else:
-        config = world_path(name) / "config"
-    return tuple(
-        OmegaConf.load(config / kind / f"{choice}.yaml")
-        for kind, choice in (("modelpool", modelpool or world.modelpool), ("taskpool", taskpool or world.taskpool))
-    )
+        return compose_pools(modelpool, taskpool)
+    register_resolvers()
+    # a world's own configs are self-contained files (written by its build, no `defaults:`)
+    config = world_path(name) / "config"
+    return tuple(OmegaConf.load(config / kind / f"{choice}.yaml")
+                 for kind, choice in (("modelpool", modelpool), ("taskpool", taskpool)))
 
 
 def build_world(name: str, force: bool = False) -> Path:
