@@ -36,7 +36,7 @@ from .drift import DriftMeter
 from .hparams import FeatCalHParams
 from .lazy_models import is_lazy, materialize, release
 from .families import LINEAR, NORM_KINDS, ModelFamily, Site
-from .moments import LinearInputMoments, NormInputMoments, Reduce, check_finite
+from .moments import LinearInputMoments, NormInputMoments, Reduce, add_into, check_finite
 from .streams import Stream, StreamOptions, StreamStore
 from .solver import (
     anchor,
@@ -182,23 +182,19 @@ class _BlockSums:
         tensors += [t for entry in self.norm.values() for t in entry.values() if isinstance(t, Tensor)]
         return sum(t.nbytes for t in tensors)
 
-    @staticmethod
-    def _add(store, key, value):
-        store[key] = value if key not in store else store[key] + value
-
     def add_linear(self, gi, group, stats, expert_sites, hparams, with_bias):
         omega = task_weight(stats.gram, hparams.eps)
-        self._add(self.gram, gi, omega * stats.gram)
+        add_into(self.gram, gi, omega * stats.gram)
         self.omega[gi] += omega
-        self._add(self.mean_cal, gi, omega * stats.mean_cal)
+        add_into(self.mean_cal, gi, omega * stats.mean_cal)
         dtype = stats.gram.dtype
         for name in group.names:
             expert = expert_sites[name]
             weight = expert.weight.to(dtype)
             bias = None if expert.bias is None else expert.bias.to(dtype)
-            self._add(self.target, name, omega * stats.target(name, weight, bias, hparams.alpha))
+            add_into(self.target, name, omega * stats.target(name, weight, bias, hparams.alpha))
             if with_bias and bias is not None:
-                self._add(self.bias_target, name, omega * stats.bias_target(name, weight, bias, hparams.alpha))
+                add_into(self.bias_target, name, omega * stats.bias_target(name, weight, bias, hparams.alpha))
 
     def add_norm(self, name, stats, expert_site):
         dtype = stats.mean.dtype
@@ -212,7 +208,7 @@ class _BlockSums:
         if beta is not None:
             entry["r_beta"] = stats.mean * gamma + beta
         for key, value in entry.items():
-            self._add(self.norm.setdefault(name, {}), key, value)
+            add_into(self.norm.setdefault(name, {}), key, value)
 
 
 class FeatCalEngine:

@@ -22,6 +22,11 @@ def _flatten_tokens(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.reshape(-1, x.shape[-1]).to(dtype)
 
 
+def add_into(store: Dict, key, value) -> None:
+    """``store[key] += value``, starting the sum at ``value`` (a block's sums over tasks)."""
+    store[key] = value if key not in store else store[key] + value
+
+
 class NonFiniteError(FloatingPointError):
     """Raised when a statistic or a solved parameter is NaN or infinite."""
 

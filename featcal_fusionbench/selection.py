@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .hparams import FeatCalHParams
+from .moments import add_into
 
 SCORE_DTYPE = torch.float64
 
@@ -251,18 +252,14 @@ class HeldoutObjective:
         self.norm: Dict[str, Dict[str, Tensor]] = {}
         self.num_tasks = 0
 
-    @staticmethod
-    def _add(store, key, value):
-        store[key] = value if key not in store else store[key] + value
-
     def add_linear(self, gi, group, stats, expert_sites, hparams, with_bias=True) -> None:
         from .solver import task_weight
 
         d = SCORE_DTYPE
         omega = task_weight(stats.gram, hparams.eps)
         mean_cal = stats.mean_cal.to(d)
-        self._add(self.gram, gi, omega * stats.gram.to(d))
-        self._add(self.mean_cal, gi, omega * mean_cal)
+        add_into(self.gram, gi, omega * stats.gram.to(d))
+        add_into(self.mean_cal, gi, omega * mean_cal)
         self.omega[gi] = self.omega.get(gi, 0.0) + omega
         for name in group.names:
             site = expert_sites[name]
@@ -274,8 +271,8 @@ class HeldoutObjective:
             if bias is not None:
                 cross, mean_out = cross + torch.outer(bias.to(d), mean_cal), mean_out + bias.to(d)
             self.group_of[name] = gi
-            self._add(self.cross, name, omega * cross)
-            self._add(self.mean_out, name, omega * mean_out)
+            add_into(self.cross, name, omega * cross)
+            add_into(self.mean_out, name, omega * mean_out)
 
     def add_norm(self, name, stats, expert_site) -> None:
         d = SCORE_DTYPE
@@ -287,7 +284,7 @@ class HeldoutObjective:
             entry.update(z=z, r_beta=z * gamma + beta, const=entry["const"] + 2 * z * gamma * beta + beta * beta)
             entry["r_gamma"] = entry["r_gamma"] + z * beta
         for key, value in entry.items():
-            self._add(self.norm.setdefault(name, {}), key, value)
+            add_into(self.norm.setdefault(name, {}), key, value)
 
     def linear(self, name: str, weight: Tensor, bias: Optional[Tensor]) -> float:
         d = SCORE_DTYPE
