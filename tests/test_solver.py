@@ -8,6 +8,7 @@ to ``torch.linalg.lstsq``; the gradient of the objective, by autograd, must vani
 import pytest
 import torch
 
+from featcal_fusionbench import solver
 from featcal_fusionbench.moments import LinearInputMoments
 from featcal_fusionbench.solver import (
     anchor,
@@ -189,3 +190,16 @@ def test_solve_spd_falls_back_when_cholesky_fails():
     assert ls.method == "lstsq"
     expected = torch.linalg.pinv(singular) @ rhs
     torch.testing.assert_close(ls.solution, expected)
+
+
+@pytest.mark.parametrize("dim, tile", [(20, 7), (16, 8), (5, 1024)])
+def test_the_ridge_system_is_built_in_place_bit_for_bit_as_the_whole_matrix_formula(dim, tile, monkeypatch):
+    """Tiles of any size (a last partial one, one tile for all) give exactly 0.5 (G + G^T) + shift I, from a float32
+    Gram that is not symmetric, and leave the Gram as it was."""
+    monkeypatch.setattr(solver, "TILE", tile)
+    gram = torch.randn(dim, dim, generator=torch.Generator().manual_seed(dim)).float()
+    before = gram.clone()
+    system = solver.ridge_system(gram, 0.37)
+    full = gram.double() + 0.37 * torch.eye(dim, dtype=torch.float64)
+    assert torch.equal(system, 0.5 * (full + full.T)) and system.dtype == solver.SOLVE_DTYPE
+    assert torch.equal(gram, before)
