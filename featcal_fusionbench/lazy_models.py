@@ -85,6 +85,10 @@ def _meta_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.is_meta]
 
 
+#: torch's CPU allocations are aligned to 64 bytes (c10's alignment)
+_ALIGNMENT = 64
+
+
 def materialize(module: nn.Module, device) -> None:
     """Read a lazy module's parameters from its checkpoint onto ``device`` (in the model's dtype)."""
     from accelerate.utils import set_module_tensor_to_device
@@ -97,7 +101,13 @@ def materialize(module: nn.Module, device) -> None:
         value = values[keys[name]]
         if not torch.isfinite(value).all():
             raise ValueError(f"{keys[name]} in {source.tensors.folder} has non-finite values")
-        set_module_tensor_to_device(module, name, device, value=value.to(source.dtype))
+        value = value.to(source.dtype)
+        if value.data_ptr() % _ALIGNMENT:
+            # a safetensors tensor starts wherever its bytes lie in the file; on such memory MKL may take another
+            # kernel (another summation order) than on torch's 64-byte aligned allocations, and the lazy path would
+            # then differ from the eager one in the last bits (seen on an AVX2 AMD EPYC): a fresh, aligned copy
+            value = value.clone()
+        set_module_tensor_to_device(module, name, device, value=value)
     # buffers (small; rotary tables) follow the module onto the device and stay there
     for name, buffer in module.named_buffers():
         set_module_tensor_to_device(module, name, device, value=buffer)
