@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from featcal_experiments.openclip_convert import openclip_to_hf_state
 from featcal_experiments.worlds.clip_world import CLIP_QUICK, CLIPWorldSpec, TaskSpec, build_clip_world
 from featcal_experiments.worlds.registry import ENV_DIR, compose_pools, fusion_bench_args
-from featcal_fusionbench import FeatCalAlgorithm
+from featcal_fusionbench import FeatCalAlgorithm, ProbSurgeryAlgorithm, SurgeryAlgorithm
 from featcal_fusionbench.families.openclip_vision import vision_tower
 from fusion_bench.method import TaskArithmeticAlgorithm
 from fusion_bench.utils import instantiate
@@ -111,6 +111,38 @@ def test_task_arithmetic_and_featcal_agree_through_both_pools(quick_world):
         torch.testing.assert_close(value, hf_state[key], rtol=1e-4, atol=2e-5, msg=key)
         moved += not torch.allclose(hf_state[key], before[key], rtol=1e-4, atol=1e-4)
     assert moved >= 2 * 10  # both blocks' linears and norms moved
+
+
+@pytest.mark.parametrize("cls", [SurgeryAlgorithm, ProbSurgeryAlgorithm], ids=lambda c: c.__name__)
+def test_surgery_with_normalized_features_trains_the_same_maps_through_both_pools(cls, quick_world):
+    """With `family_options.surgery_feature=normalized`, the OpenCLIP maps read the unit-normalised feature, as
+    FusionBench's HF CLIP protocol does: at one seed both pools train the same maps (the pools' pixels agree to
+    float rounding, not bit for bit) and score alike. The default, the encoder's raw output (Surgery's original
+    code on the task-vector checkpoints), trains other maps."""
+    maps, scores = {}, {}
+    for kind, options in (("hf", {}), ("openclip", {"surgery_feature": "normalized"}),
+                          ("openclip_raw", {})):
+        algo = cls(upstream=TA, num_calibration_examples=8, batch_size=8, max_steps=15, family_options=options,
+                   precompute_features=True)
+        algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+        pool_kind = "hf" if kind == "hf" else "openclip"
+        deployed = algo.run(pools(pool_kind)[0])
+        maps[kind] = [p.detach() for p in deployed.collect_trainable_params()]  # per task, in task order
+        scores[kind] = evaluate(pool_kind, deployed)
+    assert len(maps["hf"]) == len(maps["openclip"]) >= 2 * len(CLIP_QUICK.task_names)
+    for ours, theirs in zip(maps["openclip"], maps["hf"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
+    assert any(not torch.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(maps["openclip_raw"], maps["hf"]))
+    assert_same_scores(scores["openclip"], scores["hf"])
+
+
+def test_a_surgery_feature_the_family_does_not_know_fails_at_construction_or_before_the_merge(quick_world):
+    with pytest.raises(ValueError, match="not an option of any model family"):
+        SurgeryAlgorithm(family_options={"surgery_features": "normalized"})
+    algo = SurgeryAlgorithm(upstream=TA, num_calibration_examples=8, family_options={"surgery_feature": "unit"})
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match="surgery_feature must be one of"):
+        algo.run(pools("openclip")[0])
 
 
 def test_featcal_runs_through_the_cli_on_the_openclip_pool_from_the_arguments_featcal_world_prints(quick_world, tmp_path):

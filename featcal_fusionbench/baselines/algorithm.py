@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data import SPLITS, calibration_source, select_calibration_data
-from ..families import family_for, to_device
+from ..families import check_option_names, family_for, to_device
 from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 
@@ -56,9 +56,13 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         eval_iterations: Optional[int] = None,
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
+        family_options: Optional[Mapping[str, Any]] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if family_options is not None and not isinstance(family_options, Mapping):
+            raise TypeError(f"family_options must map option names to values, got {family_options!r}")
+        check_option_names(family_options)
         _check_int("num_calibration_examples", num_calibration_examples, 1)
         _check_int("max_steps", max_steps, 0)
         _check_int("batch_size", batch_size, 1)
@@ -147,7 +151,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         tasks = self.check_pool(modelpool, self.calibration_split)
         with self.profile("load models"):
             base = modelpool.load_pretrained_model()
-            family = family_for(base)
+            family = family_for(base, dict(self.family_options or {}))
             family.check_models(modelpool, base)
             site = family.feature_site(modelpool, base)  # a pool that cannot give it fails before the experts
             experts = self.load_experts(modelpool, tasks, base)

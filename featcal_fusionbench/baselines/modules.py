@@ -149,12 +149,24 @@ class LMHeadSurgery(ActiveTaskSurgery):
         return self.model.generate(*args, **kwargs)
 
 
+def unit(features: Tensor) -> Tensor:
+    """Features scaled to unit L2 norm, as FusionBench's HF CLIP classifier normalises its image embeddings."""
+    return features / features.norm(p=2, dim=-1, keepdim=True)
+
+
 class EncoderOutputSurgery(ActiveTaskSurgery):
     """An image encoder whose output passes through the active task's map, as Surgery's original code deploys
-    its maps on the task-vector encoders (the task's classification head reads the mapped feature)."""
+    its maps on the task-vector encoders (the task's classification head reads the mapped feature). With
+    ``normalize`` the map reads the unit-normalised output instead (FusionBench's HF CLIP protocol)."""
+
+    def __init__(self, maps: nn.Module, normalize: bool = False):
+        super().__init__(maps)
+        self.normalize = normalize
 
     def forward(self, *args, **kwargs):
         features = self.model(*args, **kwargs)
+        if self.normalize:
+            features = unit(features)
         return features if self.active_task is None else self.mapped(features)
 
     # FusionBench's ImageClassifier reads its encoder's transforms.

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..baselines.modules import EncoderOutputSurgery
+from ..baselines.modules import EncoderOutputSurgery, unit
 from . import register_family
 from .base import FeatureSite, ImagesOnly, ModelFamily, batch_loader
 from .clip_vision import LastBlockPatchWeighting
@@ -95,22 +95,28 @@ def activation_mismatch(entry: Any, tower: nn.Module) -> Optional[str]:
     )
 
 
-class OpenCLIPImageFeatureSite(FeatureSite):
-    """The image encoder's output: the projected image feature, not normalised (``encode_image``). Surgery's
-    original code maps this feature of the task-vector encoders; the task's ``ClassificationHead`` (which
-    normalises) reads the mapped feature. (HF CLIP's site is the normalised feature: docs/families/openclip_vision.md
-    says what that changes.)"""
+#: the family option ``surgery_feature``: what Surgery's and ProbSurgery's maps read
+SURGERY_FEATURES = ("encoder_output", "normalized")
 
-    def __init__(self, tower: nn.Module):
+
+class OpenCLIPImageFeatureSite(FeatureSite):
+    """The image encoder's output: the projected image feature (``encode_image``), not normalised by default:
+    Surgery's original code maps this feature of the task-vector encoders, and the task's ``ClassificationHead``
+    (which normalises) reads the mapped feature. ``normalized``: the unit-normalised feature, HF CLIP's site in
+    FusionBench's protocol, so that both families train the same maps (docs/families/openclip_vision.md)."""
+
+    def __init__(self, tower: nn.Module, normalized: bool = False):
         self.dim = tower.proj.shape[1] if tower.proj is not None else tower.transformer.width
+        self.normalized = normalized
 
     def features(self, model: nn.Module, images: Tensor) -> Tensor:
-        return vision_tower(model)(images)  # what ImageEncoder.forward returns, for a bare tower or CLIP too
+        features = vision_tower(model)(images)  # what ImageEncoder.forward returns, for a bare tower or CLIP too
+        return unit(features) if self.normalized else features
 
     def deploy(self, wrapper: nn.Module) -> nn.Module:
         # FusionBench's task pool calls the encoder inside ImageClassifier without the task: the map is applied on
         # its output for the task the task pool sets.
-        return EncoderOutputSurgery(wrapper)
+        return EncoderOutputSurgery(wrapper, normalize=self.normalized)
 
 
 class LayerScaleSite(NormSite):
@@ -148,10 +154,18 @@ class LayerScaleSite(NormSite):
 
 @register_family
 class OpenCLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
-    """Options: ``last_block_patch_token_weight``, exactly as in the HF CLIP family (``LastBlockPatchWeighting``)."""
+    """Options: ``last_block_patch_token_weight``, exactly as in the HF CLIP family (``LastBlockPatchWeighting``);
+    ``surgery_feature`` (``encoder_output``, the default, or ``normalized``): the feature Surgery's and
+    ProbSurgery's maps read (``OpenCLIPImageFeatureSite``)."""
 
     name = "openclip_vision"
     kv_sites = ("attn.in_proj.k", "attn.in_proj.v")
+    options = {**LastBlockPatchWeighting.options, "surgery_feature": "encoder_output"}
+
+    def check_option(self, name, value):
+        if name == "surgery_feature":
+            return None if value in SURGERY_FEATURES else f"surgery_feature must be one of {list(SURGERY_FEATURES)}, got {value!r}"
+        return super().check_option(name, value)
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
@@ -246,4 +260,4 @@ class OpenCLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
         return (pixels for pixels, _labels in images)
 
     def feature_site(self, modelpool, model):
-        return OpenCLIPImageFeatureSite(self.tower(model))
+        return OpenCLIPImageFeatureSite(self.tower(model), self.option_values["surgery_feature"] == "normalized")
