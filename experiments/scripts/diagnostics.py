@@ -60,32 +60,20 @@ def built_world(args):
 
 
 def load_pool_configs(world: str):
-    if world in WORLDS:
-        from featcal_experiments.worlds.registry import build_world, pool_configs
+    from featcal_experiments.worlds.registry import build_world, compose_pools, pool_configs
 
+    if world in WORLDS:
         build_world(WORLDS[world])
         return pool_configs(WORLDS[world])
-    cfg = compose_cli([f"modelpool={HUB_POOLS[0]}", f"taskpool={HUB_POOLS[1]}"])
-    return cfg.modelpool, cfg.taskpool
-
-
-def compose_cli(overrides):
-    """The config the `fusion_bench` CLI composes with these overrides (this project's search-path plugins included)."""
-    import fusion_bench_config
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
-        cfg = compose("fabric_model_fusion", overrides=list(overrides))
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose_pools(*HUB_POOLS)
 
 
 def method_config(name: str) -> dict:
     """A packaged method config's constructor arguments, composed as the CLI composes them (the paper's values live
     there, once)."""
     from omegaconf import OmegaConf
+
+    from featcal_experiments.worlds.registry import compose_cli
 
     cfg = OmegaConf.to_container(compose_cli([f"method={name}"]).method, resolve=True)
     cfg.pop("_target_")

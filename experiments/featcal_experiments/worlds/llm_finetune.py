@@ -55,8 +55,9 @@ def trainable_parameters(model) -> List[torch.nn.Parameter]:
 def finetune(model, tokenizer, rows: List[Dict], steps: int, batch_size: int, lr: float, seed: int,
              max_length: int = 256, desc: str = "fine-tuning") -> Dict[str, float]:
     """AdamW (master weights and moments in float32) under bf16 autocast where it is faster (``autocast_dtype``),
-    linear warm-up over the first tenth then cosine decay; batches drawn without replacement, epoch after epoch, in a seeded order. The loss counts
-    response tokens only (the answer and the closing ``<|im_end|>``). Returns the first and last losses."""
+    linear warm-up over the first tenth then cosine decay; batches drawn without replacement, epoch after epoch, in
+    a seeded order. The loss counts response tokens only (the answer and the closing ``<|im_end|>``). Returns the
+    first and last losses, the tokens, the seconds and the autocast dtype."""
     encoded = [tokenize_prompt_response(tokenizer, r["prompt"], r["response"], max_length) for r in rows]
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -152,9 +152,9 @@ def fusion_bench_args(name: str, openclip: bool = False) -> List[str]:
     return [*search, f"modelpool={modelpool}", f"taskpool={taskpool}"]
 
 
-def compose_pools(modelpool: str, taskpool: str):
-    """(modelpool, taskpool) configs as the `fusion_bench` CLI composes them (the installed search-path plugins and
-    their ``defaults:`` included), unresolved."""
+def compose_cli(overrides: List[str]):
+    """The config the `fusion_bench` CLI composes with these overrides (the installed search-path plugins and their
+    configs' ``defaults:`` included), unresolved."""
     import fusion_bench_config
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -165,9 +165,14 @@ def compose_pools(modelpool: str, taskpool: str):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
-            cfg = compose("fabric_model_fusion", overrides=[f"modelpool={modelpool}", f"taskpool={taskpool}"])
+            return compose("fabric_model_fusion", overrides=list(overrides))
     finally:
         GlobalHydra.instance().clear()
+
+
+def compose_pools(modelpool: str, taskpool: str):
+    """(modelpool, taskpool) configs as the `fusion_bench` CLI composes them, unresolved."""
+    cfg = compose_cli([f"modelpool={modelpool}", f"taskpool={taskpool}"])
     return cfg.modelpool, cfg.taskpool
 
 
