@@ -9,7 +9,8 @@ config (the defaults: `featcal/clip_ta`, `featcal/flan_t5_ta`, `featcal/causal_l
 criterion (held-out split of the calibration examples, no label read), and over the oracle grid, scored on the test
 labels: lambda x rho (auto_select's default grid: lambda 1e-6 .. 10, rho 0.5 .. 2.5) at the default alpha, then alpha
 (0.15, 0.3, 0.6) at the best of those. The oracle is the best grid point; `--oracle lambda_` sweeps lambda alone
-(the LLM world, where a point costs minutes). Every run is a `fusion_bench` command in its own folder under --runs,
+(the LLM world, where a point costs minutes), and then auto_select searches lambda alone as well (rho and alpha
+fixed at the defaults: the same space). Every run is a `fusion_bench` command in its own folder under --runs,
 cached by command and world build (an interrupted invocation resumes). Writes OUT/<world>.json and .md with the
 command, machine and date; the issue's targets: auto never below the defaults by more than 0.5 points, and within
 1 point of the oracle on average.
@@ -101,10 +102,13 @@ def study(args) -> dict:
                 report = run_fusion_bench(folder / "demo", [*base, *DEMO], world=world)
                 entry["demo"] = {"average": average(report), "tasks": percentages(report)}
             entry["auto"] = {}
+            # with a lambda-only oracle, auto_select searches that space too: rho and alpha fixed at the defaults
+            fixed = ("" if args.oracle != "lambda_" else
+                     ",grid:{{rho:[{rho!r}],alpha:[{alpha!r}]}}".format(**entry["default"]))
             for criterion in args.criteria:
                 print(f"n = {n}, seed {seed}: auto_select {criterion}", flush=True)
-                report = run_fusion_bench(folder / f"auto_{criterion}", [*base, f"method.auto_select={{criterion:{criterion}}}"],
-                                          world=world)
+                report = run_fusion_bench(folder / f"auto_{criterion}",
+                                          [*base, f"method.auto_select={{criterion:{criterion}{fixed}}}"], world=world)
                 selection = featcal_report(folder / f"auto_{criterion}")["auto_select"]
                 entry["auto"][criterion] = {
                     "average": average(report), "tasks": percentages(report), "choice": selection["choice"],
@@ -164,7 +168,7 @@ def markdown(result: dict) -> str:
              f"{result['runs_resumed']} more resumed from an earlier invocation of the same command.", "",
              f"Task Arithmetic (0.3) alone: {result['upstream']:.1f}. Each row: FeatCal after it with the world's paper "
              "config (defaults), with `method.auto_select` per criterion, and the best point of the oracle grid "
-             f"(test labels; {'lambda alone' if result['oracle_keys'] == 'lambda_' else 'lambda x rho, then alpha'}).",
+             f"(test labels; {'lambda alone, and auto_select searches lambda alone' if result['oracle_keys'] == 'lambda_' else 'lambda x rho, then alpha'}).",
              ""]
     demo = bool(result["runs"]) and "demo" in result["runs"][0]
     lines += ["| n | seed | defaults | " + ("authors' demo | " if demo else "")
