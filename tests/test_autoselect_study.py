@@ -64,3 +64,10 @@ def test_an_unbuilt_world_is_named_with_its_build_command(capsys, tmp_path, monk
     with pytest.raises(SystemExit):
         study.main(["--world", "t5", "--runs", str(tmp_path / "runs")])
     assert "featcal-world build t5" in capsys.readouterr().err
+
+
+def test_commands_show_run_folders_relative_to_the_repository():
+    args = ["method=featcal/clip_ta", f"method.merged_model_path={study.REPO}/outputs/autoselect/x/ta/merged",
+            "path.log_dir=/tmp/elsewhere"]
+    assert study.shown(args) == ("fusion_bench method=featcal/clip_ta "
+                                 "method.merged_model_path=outputs/autoselect/x/ta/merged")

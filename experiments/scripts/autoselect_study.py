@@ -58,6 +58,11 @@ def without_log_dir(args):
     return [a for a in args if not a.startswith("path.log_dir=")]
 
 
+def shown(args) -> str:
+    """The command as the results show it: run folders relative to the repository, which is where it runs from."""
+    return "fusion_bench " + " ".join(a.replace(f"{REPO}/", "") for a in without_log_dir(args))
+
+
 def percentages(report: dict) -> dict:
     """Task (and ``average``) -> percentage: accuracy, Spearman's rho or lm-eval's score, as the tables read them."""
     from featcal_experiments.reproduce.render import scores
@@ -86,13 +91,13 @@ def study(args) -> dict:
     upstream = catalog.upstream_run(setting.key, "ta")
     ta = run_fusion_bench(args.runs / upstream.id, without_log_dir(upstream.args), world=world)
     out = {"world": args.world, "world_fingerprint": world_fingerprint(args.world), "upstream": average(ta),
-           "upstream_command": "fusion_bench " + " ".join(without_log_dir(upstream.args)), "runs": []}
+           "upstream_command": shown(upstream.args), "runs": []}
     for n in args.n:
         for seed in args.seeds:
             run = catalog.calibrator_run(setting.key, "ta", "featcal", (n, seed))
             base = without_log_dir(run.args)
             folder = args.runs / run.id
-            entry = {"n": n, "seed": seed, "command": "fusion_bench " + " ".join(base)}
+            entry = {"n": n, "seed": seed, "command": shown(base)}
             print(f"n = {n}, seed {seed}: defaults", flush=True)
             report = run_fusion_bench(folder / "default", base, world=world)
             entry["default"] = {"average": average(report), "tasks": percentages(report),
