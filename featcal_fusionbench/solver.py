@@ -7,7 +7,7 @@ formula can be tested against an independent minimiser of its objective.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -48,18 +48,38 @@ def ridge_system(gram: Tensor, shift: float) -> Tensor:
     return system
 
 
-def solve_spd(matrix: Tensor, rhs: Tensor) -> SolveResult:
+def solve_spd(matrix: Tensor, rhs: Tensor, rebuild: Optional[Callable[[], Tensor]] = None) -> SolveResult:
     """Solve ``matrix @ X = rhs`` for a symmetric positive (semi)definite matrix.
 
     Cholesky first; an LU solve when the factorisation breaks down numerically;
     a least-squares solve when even that is singular, so a degenerate module
     still gets the minimum-norm solution instead of an exception mid-run.
+
+    With ``rebuild`` on the CPU, the factor overwrites ``matrix`` and the solution a column-major ``rhs`` (float64
+    tensors the caller gives up), bit for bit as the copying path: torch's ``cholesky_solve`` copies both operands,
+    and at ``down_proj``'s 8192-wide input every d x d copy is 512 MiB of host memory. The rare fallbacks get the
+    matrix again from ``rebuild()`` (``rhs`` is untouched until the factorisation has succeeded).
     """
     matrix = matrix.to(SOLVE_DTYPE)
     rhs = rhs.to(SOLVE_DTYPE)
-    factor, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) == 0:
-        return SolveResult(torch.cholesky_solve(rhs, factor), "cholesky")
+    if rebuild is not None and matrix.device.type == "cpu":
+        # LAPACK works on column-major storage: the transposed view of a row-major symmetric matrix is the same
+        # matrix in that layout, so the factorisation and both triangular solves run on the given buffers
+        in_place = matrix.mT
+        if not rhs.mT.is_contiguous():  # a row-major right-hand side would be solved transposed, in other rounding
+            rhs = rhs.mT.contiguous().mT
+        info = torch.empty((), dtype=torch.int32)
+        factor, info = torch.linalg.cholesky_ex(in_place, out=(in_place, info))
+        if int(info) == 0:
+            torch.linalg.solve_triangular(factor, rhs, upper=False, out=rhs)
+            torch.linalg.solve_triangular(factor.mT, rhs, upper=True, out=rhs)
+            return SolveResult(rhs, "cholesky")
+        del factor, in_place
+        matrix = rebuild().to(SOLVE_DTYPE)
+    else:
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if int(info) == 0:
+            return SolveResult(torch.cholesky_solve(rhs, factor), "cholesky")
     solution, info = torch.linalg.solve_ex(matrix, rhs)
     if int(info) == 0 and bool(torch.isfinite(solution).all()):
         return SolveResult(solution, "lu")
@@ -84,9 +104,10 @@ def solve_linear_weight(
 
     Returns W* of shape (m, d) solving W (sum omega G + (lambda + eps) I) = sum omega W_i C_i + lambda W_anc.
     """
-    system = ridge_system(weighted_gram, lambda_ + eps)
-    rhs = weighted_target.to(SOLVE_DTYPE) + lambda_ * anchor_weight.to(SOLVE_DTYPE)
-    result = solve_spd(system, rhs.T)
+    # one (m, d) buffer for the right-hand side, not four temporaries
+    rhs = anchor_weight.to(SOLVE_DTYPE, copy=True).mul_(lambda_).add_(weighted_target)
+    result = solve_spd(ridge_system(weighted_gram, lambda_ + eps), rhs.T,
+                       rebuild=lambda: ridge_system(weighted_gram, lambda_ + eps))
     return SolveResult(result.solution.T.contiguous(), result.method)
 
 

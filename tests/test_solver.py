@@ -203,3 +203,36 @@ def test_the_ridge_system_is_built_in_place_bit_for_bit_as_the_whole_matrix_form
     full = gram.double() + 0.37 * torch.eye(dim, dtype=torch.float64)
     assert torch.equal(system, 0.5 * (full + full.T)) and system.dtype == solver.SOLVE_DTYPE
     assert torch.equal(gram, before)
+
+
+@pytest.mark.parametrize("column_major", [True, False])
+def test_factoring_in_place_gives_the_same_solution_bit_for_bit_and_rebuilds_for_the_fallbacks(column_major):
+    """The in-place path (the factor in the system's buffer, the solution in the right-hand side's) equals torch's
+    copying ``cholesky_solve`` exactly, with the right-hand side in either layout (solve_linear_weight gives a
+    column-major one); an indefinite system is rebuilt for the LU fallback."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(40, 40, dtype=torch.float64, generator=generator)
+    spd = a @ a.T + torch.eye(40, dtype=torch.float64)
+    spd = 0.5 * (spd + spd.T)  # exactly symmetric, as ridge_system builds every system
+    rhs = torch.randn(5, 40, dtype=torch.float64, generator=generator).T
+    rhs = rhs if column_major else rhs.contiguous()
+    copied = solve_spd(spd, rhs)
+    matrix, given = spd.clone(), rhs.clone()
+    in_place = solve_spd(matrix, given, rebuild=spd.clone)
+    assert in_place.method == copied.method == "cholesky" and torch.equal(in_place.solution, copied.solution)
+    assert (in_place.solution.data_ptr() == given.data_ptr()) == column_major and not torch.equal(matrix, spd)
+    indefinite = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
+    lu = solve_spd(indefinite.clone(), rhs[:3].clone(), rebuild=indefinite.clone)
+    assert lu.method == "lu"
+    torch.testing.assert_close(indefinite @ lu.solution, rhs[:3])
+
+
+def test_the_linear_solve_equals_the_copying_solve_bit_for_bit():
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 30, generator=generator)
+    gram = x.T @ x
+    target, anchor_weight = (torch.randn(7, 30, generator=generator) for _ in range(2))
+    system = solver.ridge_system(gram, 0.1 + EPS)
+    rhs = target.double() + 0.1 * anchor_weight.double()
+    expected = torch.cholesky_solve(rhs.T, torch.linalg.cholesky(system)).T
+    assert torch.equal(solve_linear_weight(gram, target, anchor_weight, 0.1, EPS).solution, expected)
