@@ -45,6 +45,17 @@ def test_markdown_names_the_command_the_oracle_and_the_demo_column():
     assert "10 min for 3 `fusion_bench` runs, 2 more resumed" in text
     assert "| 8 | 42 | 45.0 | 44.1 | 53.1 (3.0x) | 53.8 (lambda 0.0001, rho 2.5, alpha 0.3) |" in text
     assert "lambda, rho, alpha = 0.05, 2, 0.3" in text and "meets the first target" in text
+    assert "lambda sweep" not in text  # a lambda x rho x alpha grid is too long to list
+
+
+def test_a_lambda_only_oracle_lists_its_sweep():
+    entry = run(32, 81.2, {"objective": 81.2}, 81.25)
+    entry["oracle"]["grid"] = [{"lambda_": 1e-6, "average": 81.25}, {"lambda_": 10.0, "average": 57.8125}]
+    result = {"world": "llm", "world_fingerprint": "abc", "command": "python x --world llm", "machine": "m",
+              "date": "d", "seconds": 60, "upstream": 61.5, "runs_made": 1, "runs_resumed": 0,
+              "criteria": ["objective"], "oracle_keys": "lambda_", "runs": [entry]}
+    result["summary"] = study.summary(result)
+    assert "- lambda sweep at n = 32, seed 42 (average): 1e-06: 81.2, 10: 57.8" in study.markdown(result)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -196,6 +196,11 @@ def markdown(result: dict) -> str:
                      f"({'meets' if s['meets_default_target'] else 'misses'} the first target); "
                      f"oracle - auto {s['mean_from_oracle']:.1f} on average "
                      f"({'meets' if s['meets_oracle_target'] else 'misses'} the second)")
+    if result["oracle_keys"] == "lambda_":  # a short grid: every point, so what the world prefers can be read off
+        lines.append("")
+        for r in result["runs"]:
+            sweep = ", ".join(f"{p['lambda_']:g}: {p['average']:.1f}" for p in r["oracle"]["grid"])
+            lines.append(f"- lambda sweep at n = {r['n']}, seed {r['seed']} (average): {sweep}")
     return "\n".join(lines) + "\n"
 
 
