@@ -77,8 +77,10 @@ def test_an_unbuilt_world_is_named_with_its_build_command(capsys, tmp_path, monk
     assert "featcal-world build t5" in capsys.readouterr().err
 
 
-def test_commands_show_run_folders_relative_to_the_repository():
+def test_commands_show_run_folders_relative_to_the_repository_and_the_worlds_folder_as_its_variable(monkeypatch):
+    monkeypatch.setenv("FEATCAL_WORLDS_DIR", "/home/someone/worlds")
     args = ["method=featcal/clip_ta", f"method.merged_model_path={study.REPO}/outputs/autoselect/x/ta/merged",
-            "path.log_dir=/tmp/elsewhere"]
+            "hydra.searchpath=[file:///home/someone/worlds/llm/config]", "path.log_dir=/tmp/elsewhere"]
     assert study.shown(args) == ("fusion_bench method=featcal/clip_ta "
-                                 "method.merged_model_path=outputs/autoselect/x/ta/merged")
+                                 "method.merged_model_path=outputs/autoselect/x/ta/merged "
+                                 "hydra.searchpath=[file://${FEATCAL_WORLDS_DIR}/llm/config]")

@@ -59,8 +59,12 @@ def without_log_dir(args):
 
 
 def shown(args) -> str:
-    """The command as the results show it: run folders relative to the repository, which is where it runs from."""
-    return "fusion_bench " + " ".join(a.replace(f"{REPO}/", "") for a in without_log_dir(args))
+    """The command as the results show it: run folders relative to the repository, which is where it runs from, and
+    the worlds folder as the variable that sets it (default ~/.cache/featcal-fusionbench/worlds)."""
+    from featcal_experiments.worlds.registry import ENV_DIR, worlds_dir
+
+    return "fusion_bench " + " ".join(a.replace(f"{REPO}/", "").replace(str(worlds_dir()), f"${{{ENV_DIR}}}")
+                                      for a in without_log_dir(args))
 
 
 def percentages(report: dict) -> dict:
