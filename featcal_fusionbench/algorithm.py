@@ -13,7 +13,7 @@ from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 from .autoselect import auto_calibrate
 from .data import calibration_source, select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
-from .families import check_option_names, family_for
+from .families import checked_options, family_for
 from .hparams import DEFAULTS, FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
 from .selection import SelectionOptions, check_split_sizes
@@ -83,7 +83,6 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         self.featcal_hparams = FeatCalHParams(**{k: arguments[k] for k in FeatCalHParams.__dataclass_fields__})
         self.stream_options = StreamOptions(stream_device_bytes, stream_spill, stream_spill_dir)
         self.family_options = _family_options(family_options, last_block_patch_token_weight)
-        check_option_names(self.family_options)
         self.selection_options = SelectionOptions.parse(auto_select)
 
     def run(self, modelpool: BaseModelPool):
@@ -172,9 +171,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
 
 def _family_options(family_options, last_block_patch_token_weight) -> Dict[str, Any]:
     """``family_options`` as a plain dict, with the pre-registry top-level CLIP flag folded in."""
-    if family_options is not None and not isinstance(family_options, Mapping):
-        raise TypeError(f"family_options must map option names to values, got {family_options!r}")
-    options = dict(family_options or {})
+    options = checked_options(family_options)
     if last_block_patch_token_weight is not None:
         warnings.warn(
             "method.last_block_patch_token_weight is deprecated: use method.family_options.last_block_patch_token_weight",

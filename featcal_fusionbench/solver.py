@@ -7,6 +7,7 @@ formula can be tested against an independent minimiser of its objective.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -106,8 +107,8 @@ def solve_linear_weight(
     """
     # one (m, d) buffer for the right-hand side, not four temporaries
     rhs = anchor_weight.to(SOLVE_DTYPE, copy=True).mul_(lambda_).add_(weighted_target)
-    result = solve_spd(ridge_system(weighted_gram, lambda_ + eps), rhs.T,
-                       rebuild=lambda: ridge_system(weighted_gram, lambda_ + eps))
+    system = partial(ridge_system, weighted_gram, lambda_ + eps)  # built again only for a fallback
+    result = solve_spd(system(), rhs.T, rebuild=system)
     return SolveResult(result.solution.T.contiguous(), result.method)
 
 

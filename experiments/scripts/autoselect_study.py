@@ -171,13 +171,15 @@ def summary(result: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
+    oracle_space = ("lambda alone, and auto_select searches lambda alone" if result["oracle_keys"] == "lambda_"
+                    else "lambda x rho, then alpha")
     lines = [f"# auto_select on the offline world `{result['world']}` (build {result['world_fingerprint']})", "",
              f"Command: `{result['command']}`. Machine: {result['machine']}. Date: {result['date']}; "
              f"{result['seconds'] / 60:.0f} min for {result['runs_made']} `fusion_bench` runs, "
              f"{result['runs_resumed']} more resumed from an earlier invocation of the same command.", "",
              f"Task Arithmetic (0.3) alone: {result['upstream']:.1f}. Each row: FeatCal after it with the world's paper "
              "config (defaults), with `method.auto_select` per criterion, and the best point of the oracle grid "
-             f"(test labels; {'lambda alone, and auto_select searches lambda alone' if result['oracle_keys'] == 'lambda_' else 'lambda x rho, then alpha'}).",
+             f"(test labels; {oracle_space}).",
              ""]
     demo = bool(result["runs"]) and "demo" in result["runs"][0]
     lines += ["| n | seed | defaults | " + ("authors' demo | " if demo else "")

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data import SPLITS, calibration_source, select_calibration_data
-from ..families import check_option_names, family_for, to_device
+from ..families import checked_options, family_for, to_device
 from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 
@@ -60,9 +60,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if family_options is not None and not isinstance(family_options, Mapping):
-            raise TypeError(f"family_options must map option names to values, got {family_options!r}")
-        check_option_names(family_options)
+        checked_options(family_options)
         _check_int("num_calibration_examples", num_calibration_examples, 1)
         _check_int("max_steps", max_steps, 0)
         _check_int("batch_size", batch_size, 1)

@@ -68,14 +68,18 @@ def family_for(model: nn.Module, options: Optional[Mapping[str, Any]] = None) ->
     return family_class_for(model)(**dict(options or {}))
 
 
-def check_option_names(options: Optional[Mapping[str, Any]]) -> None:
-    """Fail early on an option that no registered family knows (before any model is loaded)."""
+def checked_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """A method's ``family_options`` as a plain dict; fails early (before any model is loaded) on something that is
+    not a mapping or on an option that no registered family knows."""
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"family_options must map option names to values, got {options!r}")
     known = {name for cls in families() for name in cls.options}
     unknown = sorted(set(options or {}) - known)
     if unknown:
         raise ValueError(
             f"family_options {unknown} is not an option of any model family; known: {', '.join(sorted(known)) or 'none'}"
         )
+    return dict(options or {})
 
 
 __all__ = [
@@ -92,7 +96,7 @@ __all__ = [
     "Site",
     "UNIFORM",
     "batch_loader",
-    "check_option_names",
+    "checked_options",
     "families",
     "family_class_for",
     "family_for",

@@ -164,7 +164,9 @@ class OpenCLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
 
     def check_option(self, name, value):
         if name == "surgery_feature":
-            return None if value in SURGERY_FEATURES else f"surgery_feature must be one of {list(SURGERY_FEATURES)}, got {value!r}"
+            if value not in SURGERY_FEATURES:
+                return f"surgery_feature must be one of {list(SURGERY_FEATURES)}, got {value!r}"
+            return None
         return super().check_option(name, value)
 
     @classmethod
