@@ -94,6 +94,7 @@ class BlockSelector:
                     for alpha in self.alphas:  # only the targets depend on a candidate's alpha
                         engine._add_task(groups, fitted, exp_sites, fit_sums[alpha], with_candidate(hp0, {"alpha": alpha}))
                     engine._add_task(groups, engine._finalize_task(plan, task, groups, lin_h, norms_h), exp_sites, held, hp0)
+                del lin, norms, lin_h, norms_h, fitted  # before the next task's moments exist
         current = {n: {"weight": s.weight, "bias": s.bias} for n, s in plan.sites.items()}
         scores: Dict[str, float] = {}
         best = None  # (score, key, updates, methods): only the best candidate's parameters are kept

@@ -182,6 +182,12 @@ class _BlockSums:
         tensors += [t for entry in self.norm.values() for t in entry.values() if isinstance(t, Tensor)]
         return sum(t.nbytes for t in tensors)
 
+    def drop_group(self, gi: int, names: Sequence[str]) -> None:
+        """Forget one linear group's sums (solved)."""
+        for store, keys in ((self.gram, [gi]), (self.mean_cal, [gi]), (self.target, names), (self.bias_target, names)):
+            for key in keys:
+                store.pop(key, None)
+
     def add_linear(self, gi, group, stats, expert_sites, hparams, with_bias):
         omega = task_weight(stats.gram, hparams.eps)
         add_into(self.gram, gi, omega * stats.gram)
@@ -200,9 +206,9 @@ class _BlockSums:
         dtype = stats.mean.dtype
         gamma = expert_site.weight.to(dtype)
         beta = expert_site.bias.to(dtype) if expert_site.bias is not None else None
-        entry = {
-            "q": stats.second_moment,
-            "z": stats.mean,
+        entry = {  # the sums start as copies: add_into adds to them in place
+            "q": stats.second_moment.clone(),
+            "z": stats.mean.clone(),
             "r_gamma": stats.second_moment * gamma + (stats.mean * beta if beta is not None else 0.0),
         }
         if beta is not None:
@@ -398,9 +404,11 @@ class FeatCalEngine:
         finalized = self._finalize_task(plan, task, groups, lin, norms, sums.nbytes())
         self._add_task(groups, finalized, exp_sites, sums, hp)
 
-    def _solve_block(self, plan, base_block, sums: _BlockSums, groups, hp: FeatCalHParams):
+    def _solve_block(self, plan, base_block, sums: _BlockSums, groups, hp: FeatCalHParams, consume: bool = False):
         """The block's new parameters, as (site name, attribute, value) in the order they are solved, and the solver
-        methods used; nothing is written (``_write``)."""
+        methods used; nothing is written (``_write``). With ``consume`` (sums solved once), each group's sums are
+        dropped as soon as its modules are solved and every value is kept in its parameter's dtype: at Llama-3.2-1B
+        shape a block's float64 solutions and its sums would otherwise be most of the host-memory peak."""
         cal_sites = plan.sites
         base_sites = self.family.sites(base_block)
         updates: List[tuple] = []
@@ -409,6 +417,11 @@ class FeatCalEngine:
         def anchored(name, attr):
             return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), hp.rho)
 
+        def update(name, attr, value):
+            if consume:  # the values _write would copy in anyway
+                value = value.to(getattr(cal_sites[name], attr).dtype)
+            updates.append((name, attr, value))
+
         for gi, group in enumerate(groups or []):
             for name in group.names:
                 full = plan.modules[name][0]
@@ -416,7 +429,7 @@ class FeatCalEngine:
                 result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight"), hp.lambda_, hp.eps)
                 check_finite(result.solution, f"the solved weight of {full}")
                 methods[result.method] += 1
-                updates.append((name, "weight", result.solution))
+                update(name, "weight", result.solution)
                 if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
                     bias = solve_bias(
                         sums.omega[gi],
@@ -427,7 +440,9 @@ class FeatCalEngine:
                         hp.lambda_,
                     )
                     check_finite(bias, f"the solved bias of {full}")
-                    updates.append((name, "bias", bias))
+                    update(name, "bias", bias)
+            if consume:
+                sums.drop_group(gi, group.names)
         for name, entry in sums.norm.items():
             full, kind = plan.modules[name]
             gamma_anchor = anchored(name, "weight")
@@ -437,11 +452,11 @@ class FeatCalEngine:
                     gamma_anchor, anchored(name, "bias"), hp.lambda_, hp.eps,
                 )
                 check_finite(beta, f"the solved shift of {full}")
-                updates.append((name, "bias", beta))
+                update(name, "bias", beta)
             else:
                 gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
             check_finite(gamma, f"the solved scale of {full}")
-            updates.append((name, "weight", gamma))
+            update(name, "weight", gamma)
         return updates, dict(methods)
 
     @staticmethod
@@ -547,8 +562,9 @@ class FeatCalEngine:
                     )
                     with self.timer("moments"):
                         self._fold_task(plan, task, groups, lin, norms, exp_sites, sums, hp)
+                    del lin, norms  # before the next task's moments exist
             with self.timer("solve"), on_device([base_block], self.device):
-                updates, methods = self._solve_block(plan, base_block, sums, groups, hp)
+                updates, methods = self._solve_block(plan, base_block, sums, groups, hp, consume=True)
             self._write(plan, updates)
         else:
             # Nothing to fit here, but the expert and upstream trajectories still advance.

@@ -14,7 +14,7 @@ Buffers are built for real (``init_empty_weights(include_buffers=False)``): non-
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -50,16 +50,55 @@ class CheckpointTensors:
         return key in self.files
 
     def read(self, keys: Iterable[str]) -> Dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
+        """The tensors, each read from its file into a fresh allocation of its own. Not through a memory map: the
+        mapped pages would count in the process's RSS beside the copies a model keeps (at 1B scale that doubled an
+        expert's 0.5 GiB embedding while it was read), and a tensor would start wherever its bytes lie in the file,
+        which can change MKL's kernel (``materialize``)."""
         by_file = defaultdict(list)
         for key in keys:
             by_file[self.files[key]].append(key)
         out = {}
-        for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:  # one shard open at a time
-                out.update({name: f.get_tensor(name) for name in names})
+        for path, names in by_file.items():  # one shard open at a time
+            header, data_start = _safetensors_header(path)
+            with open(path, "rb", buffering=0) as f:
+                for name in names:
+                    entry = header[name]
+                    begin, end = entry["data_offsets"]
+                    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                    if dtype is None:
+                        raise TypeError(f"{name} in {path} is stored as {entry['dtype']}, which lazy loading does not read")
+                    tensor = torch.empty(entry["shape"], dtype=dtype)
+                    if tensor.nbytes != end - begin:
+                        raise ValueError(f"{name} in {path}: {end - begin} bytes for shape {entry['shape']} {entry['dtype']}")
+                    f.seek(data_start + begin)
+                    _read_exactly(f, tensor.reshape(-1).view(torch.uint8).numpy(), name, path)
+                    out[name] = tensor
         return out
+
+
+# safetensors' names of the dtypes a model checkpoint holds (the format is little-endian, as torch is on x86 / ARM)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _safetensors_header(path: Path) -> Tuple[Dict[str, Any], int]:
+    """The file's tensor entries and where their data starts: 8 bytes of header size, the JSON header, the data."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _read_exactly(f, buffer, name: str, path: Path) -> None:
+    view, done = memoryview(buffer), 0
+    while done < len(view):  # a single read returns at most about 2 GiB on Linux
+        count = f.readinto(view[done:])
+        if not count:
+            raise EOFError(f"{path} ends inside {name}")
+        done += count
 
 
 class _Source:
@@ -85,10 +124,6 @@ def _meta_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.is_meta]
 
 
-#: torch's CPU allocations are aligned to 64 bytes (c10's alignment)
-_ALIGNMENT = 64
-
-
 def materialize(module: nn.Module, device) -> None:
     """Read a lazy module's parameters from its checkpoint onto ``device`` (in the model's dtype)."""
     from accelerate.utils import set_module_tensor_to_device
@@ -97,16 +132,17 @@ def materialize(module: nn.Module, device) -> None:
     names = [name for name, _ in _meta_parameters(module)]
     keys = {name: source.key(name) for name in names}
     values = source.tensors.read(set(keys.values()))
+    uses = Counter(keys.values())
     for name in names:
-        value = values[keys[name]]
-        if not torch.isfinite(value).all():
+        # read into torch's own (64-byte aligned) allocations: on a tensor starting anywhere in a mapped file MKL may
+        # take another kernel, and the lazy path then differed from the eager one in the last bits (AVX2 AMD EPYC)
+        key = keys[name]
+        uses[key] -= 1
+        # let go of the read tensor at its last use, so that a dtype-converted copy does not sit beside it
+        value = (values[key] if uses[key] else values.pop(key)).to(source.dtype)
+        # checked a slice at a time: a whole-tensor mask of an embedding is another quarter of its float32 bytes
+        if not all(bool(torch.isfinite(part).all()) for part in value.reshape(-1).split(1 << 24)):
             raise ValueError(f"{keys[name]} in {source.tensors.folder} has non-finite values")
-        value = value.to(source.dtype)
-        if value.data_ptr() % _ALIGNMENT:
-            # a safetensors tensor starts wherever its bytes lie in the file; on such memory MKL may take another
-            # kernel (another summation order) than on torch's 64-byte aligned allocations, and the lazy path would
-            # then differ from the eager one in the last bits (seen on an AVX2 AMD EPYC): a fresh, aligned copy
-            value = value.clone()
         set_module_tensor_to_device(module, name, device, value=value)
     # buffers (small; rotary tables) follow the module onto the device and stay there
     for name, buffer in module.named_buffers():

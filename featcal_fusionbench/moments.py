@@ -23,8 +23,13 @@ def _flatten_tokens(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def add_into(store: Dict, key, value) -> None:
-    """``store[key] += value``, starting the sum at ``value`` (a block's sums over tasks)."""
-    store[key] = value if key not in store else store[key] + value
+    """``store[key] += value``, starting the sum at ``value`` (a block's sums over tasks). The sum is added to in
+    place (at ``down_proj``'s 8192-wide input a new sum would be another 256 MiB), so ``value`` must be a tensor that
+    no one else holds when it starts a sum."""
+    if key in store:
+        store[key] += value
+    else:
+        store[key] = value
 
 
 class NonFiniteError(FloatingPointError):
@@ -77,7 +82,11 @@ class LinearInputStats:
         return mean if bias is None else mean - bias
 
     def target(self, name: str, weight: Tensor, bias: Optional[Tensor], alpha: float) -> Tensor:
-        """W_i C_i with C_i = E[x_tgt x_cal^T], x_tgt = alpha x_exp + (1 - alpha) x_cal (Eq. 10, 13)."""
+        """W_i C_i with C_i = E[x_tgt x_cal^T], x_tgt = alpha x_exp + (1 - alpha) x_cal (Eq. 10, 13). In the cross
+        form C_i is mixed first: one m x d x d product per task instead of two, which with few calibration tokens
+        (fewer than d per task) costs more than the forward passes do."""
+        if self.cross is not None:
+            return weight @ torch.lerp(self.gram, self.cross, alpha)
         return alpha * self.expert_cross(name, weight, bias) + (1.0 - alpha) * (weight @ self.gram)
 
     def bias_target(self, name: str, weight: Tensor, bias: Tensor, alpha: float) -> Tensor:
@@ -150,15 +159,22 @@ class LinearInputMoments:
             self.cross.addmm_(xe.T, weighted)
 
     def finalize(self, reduce: Optional[Reduce] = None) -> LinearInputStats:
+        """The weighted means. The Gram matrix is completed and divided in its own buffer (a d x d temporary is
+        256 MiB at an 8192-wide input), so the moments are spent: finalise once."""
         sums = self._sums()
         if reduce is not None:
             sums = [reduce(s) for s in sums]
         weight_sum, sum_cal, gram = sums[:3]
         if float(weight_sum) <= 0:
             raise ValueError("no calibration token carried a positive weight")
-        gram = torch.triu(gram) + torch.triu(gram, diagonal=1).T
-        # Blocks below the diagonal were never written: the line above mirrors the upper triangle.
-        stats = LinearInputStats(gram=gram / weight_sum, mean_cal=sum_cal / weight_sum)
+        # Blocks below the diagonal were never written: mirror the upper triangle into them, as
+        # triu(G) + triu(G, 1)^T would, bit for bit.
+        for i, rows in enumerate(self.blocks):
+            diagonal = gram[rows, rows]
+            diagonal.copy_(torch.triu(diagonal) + torch.triu(diagonal, diagonal=1).T)
+            for cols in self.blocks[i + 1 :]:
+                gram[cols, rows] = gram[rows, cols].T
+        stats = LinearInputStats(gram=gram.div_(weight_sum), mean_cal=sum_cal / weight_sum)
         if self.projected:
             k = len(self.out_sum)
             names = list(self.out_sum)

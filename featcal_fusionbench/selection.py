@@ -276,7 +276,7 @@ class HeldoutObjective:
 
     def add_norm(self, name, stats, expert_site) -> None:
         d = SCORE_DTYPE
-        q, z = stats.second_moment.to(d), stats.mean.to(d)
+        q, z = stats.second_moment.to(d, copy=True), stats.mean.to(d, copy=True)  # add_into adds to the sums in place
         gamma = expert_site.weight.to(d)
         beta = None if expert_site.bias is None else expert_site.bias.to(d)
         entry = {"q": q, "r_gamma": q * gamma, "const": q * gamma * gamma}

@@ -7,6 +7,7 @@ formula can be tested against an independent minimiser of its objective.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable, NamedTuple, Optional
 
@@ -24,13 +25,15 @@ class SolveResult(NamedTuple):
 
 
 def task_weight(gram: Tensor, eps: float) -> float:
-    """omega_i = 1 / max(||G_i||_F, eps) (Eq. 14)."""
-    return 1.0 / max(float(torch.linalg.matrix_norm(gram.to(SOLVE_DTYPE))), eps)
+    """omega_i = 1 / max(||G_i||_F, eps) (Eq. 14), the squares summed in SOLVE_DTYPE a tile of rows at a time (a
+    float64 copy of a whole 8192-wide Gram would be 512 MiB)."""
+    squares = sum(float(rows.to(SOLVE_DTYPE).square().sum()) for rows in gram.split(TILE))
+    return 1.0 / max(math.sqrt(squares), eps)
 
 
 def anchor(merged: Tensor, base: Tensor, rho: float) -> Tensor:
-    """rho * merged + (1 - rho) * base (Eq. 11, 51); rho may lie outside [0, 1]."""
-    return rho * merged.to(SOLVE_DTYPE) + (1.0 - rho) * base.to(SOLVE_DTYPE)
+    """rho * merged + (1 - rho) * base (Eq. 11, 51); rho may lie outside [0, 1]. Two float64 buffers, not five."""
+    return merged.to(SOLVE_DTYPE, copy=True).mul_(rho).add_(base.to(SOLVE_DTYPE, copy=True).mul_(1.0 - rho))
 
 
 def ridge_system(gram: Tensor, shift: float) -> Tensor:

@@ -114,6 +114,28 @@ def test_statistics_memory_does_not_grow_with_the_number_of_examples():
     assert sizes[0] == sizes[1] > 0
 
 
+def test_the_block_solve_keeps_values_in_the_parameters_dtype_and_drops_each_solved_group(monkeypatch):
+    solve = FeatCalEngine._solve_block
+    solved = []
+
+    def checked(self, plan, base_block, sums, groups, hp, consume=False):
+        assert consume  # the engine solves each block's sums once
+        kept, _ = solve(self, plan, base_block, copy.deepcopy(sums), groups, hp)
+        updates, methods = solve(self, plan, base_block, sums, groups, hp, consume=True)
+        assert not (sums.gram or sums.mean_cal or sums.target or sums.bias_target)
+        assert [(n, a) for n, a, _ in kept] == [(n, a) for n, a, _ in updates]
+        for (name, attr, wide), (_, _, value) in zip(kept, updates):
+            assert wide.dtype == torch.float64 and value.dtype == getattr(plan.sites[name], attr).dtype == torch.float32
+            assert torch.equal(wide.to(value.dtype), value)
+        solved.append(len(updates))
+        return updates, methods
+
+    monkeypatch.setattr(FeatCalEngine, "_solve_block", checked)
+    base, experts, merged, data = tiny_world()
+    calibrate(merged, base, experts, data, calibrate_layernorm=True)
+    assert len(solved) == len(merged.vision_model.encoder.layers) and min(solved) > 0
+
+
 def test_upstream_trajectory_drift_is_reported_when_tracked_and_calibration_reduces_it():
     base, experts, merged, data = tiny_world()
     original = copy.deepcopy(merged)

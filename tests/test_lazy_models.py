@@ -23,6 +23,27 @@ def test_a_sharded_checkpoint_is_read_one_block_at_a_time(tmp_path):
     assert all(p.is_meta for p in block.parameters())
 
 
+def test_tensors_are_read_into_aligned_allocations_of_their_own_equal_to_safetensors_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {  # odd sizes put most tensors at unaligned offsets of the file
+        "a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.randn(2, 3, generator=g, dtype=torch.float64), "d": torch.tensor(3), "e": torch.zeros(0, 4),
+        "f": torch.tensor([True, False, True]), "g": torch.randn(5, 3, generator=g).half(),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    read = CheckpointTensors(tmp_path).read(tensors)
+    expected = load_file(str(tmp_path / "model.safetensors"))
+    for name, value in read.items():
+        assert value.dtype == expected[name].dtype and torch.equal(value, expected[name])
+        assert value.data_ptr() % 64 == 0 or value.numel() == 0
+    assert len({v.untyped_storage().data_ptr() for v in read.values() if v.numel()}) == len(tensors) - 1
+    save_file({"x": torch.zeros(2, dtype=torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(TypeError, match="x in .* is stored as F8_E4M3"):
+        CheckpointTensors(tmp_path).read(["x"])
+
+
 def test_a_tied_parameter_is_read_under_the_name_the_checkpoint_holds(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

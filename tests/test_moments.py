@@ -37,6 +37,18 @@ def test_streamed_weighted_moments_equal_one_shot_weighted_means(gram_chunk):
     torch.testing.assert_close(stats.bias_target("m", weight, bias, alpha), bias + weight @ (wf @ x_tgt / total))
 
 
+def test_the_gram_is_completed_in_its_own_buffer_as_the_upper_triangle_mirrored_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    m = LinearInputMoments(10, torch.float32, CPU, gram_chunk=4)
+    for _ in range(3):
+        m.update(torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g), torch.rand(6, generator=g))
+    raw, weight_sum, buffer = m.gram.clone(), float(m.weight_sum), m.gram.data_ptr()
+    stats = m.finalize()
+    assert stats.gram.data_ptr() == buffer
+    assert torch.equal(stats.gram, (torch.triu(raw) + torch.triu(raw, diagonal=1).T) / weight_sum)
+    assert torch.equal(stats.gram, stats.gram.T)
+
+
 def test_projected_expert_side_equals_the_cross_moment_form():
     """With the expert modules' outputs y = W x_exp + b, the targets equal those of the d x d form."""
     g = torch.Generator().manual_seed(3)

@@ -14,7 +14,8 @@ floor and FeatCal's calibration stage.
 The forward floor is the merged model's decoder stack run twice over every task's tokens. That is one pass per
 stream FeatCal advances (calibrated and expert), with nothing read from disk. Written per mode:
 - ``seconds``, ``forward_floor_seconds``;
-- ``peak_rss_bytes``: the process's peak, models included;
+- ``peak_rss_bytes``: the process's peak, models included; ``rss_runtime_bytes``: the process before any model is
+  loaded (interpreter, torch, transformers);
 - ``peak_device_bytes``;
 - ``model_bytes``: one model's parameters;
 - ``statistics_bytes``: one task's moments plus a block's sums;
@@ -32,6 +33,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -54,24 +56,26 @@ ARCHS = {
 MODES = ("lazy", "eager")
 
 
-def llama_config(arch: str, dtype: str):
+def llama_config(arch: str, dtype: str, layers: Optional[int] = None):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**ARCHS[arch], rope_theta=500000.0, max_position_embeddings=8192, torch_dtype=dtype)
+    shape = {**ARCHS[arch], **({} if layers is None else {"num_hidden_layers": layers})}
+    return LlamaConfig(**shape, rope_theta=500000.0, max_position_embeddings=8192, torch_dtype=dtype)
 
 
 def write_checkpoints(args, root: Path) -> dict:
     """base/, expert<i>/, merged/ under ``root``, each one shard per decoder layer (plus one for the rest), with
-    an HF index. Done once per (arch, tasks, dtype): a ``spec.json`` says what a folder holds."""
+    an HF index. Done once per (arch, layers, tasks, dtype): a ``spec.json`` says what a folder holds."""
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.dtype, "seed": 0}
+    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.dtype, "seed": 0,
+            **({} if args.layers is None else {"layers": args.layers})}
     names = ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]
     if (root / "spec.json").is_file() and json.loads((root / "spec.json").read_text()) == spec:
         return {n: root / n for n in names}
-    config = llama_config(args.arch, args.dtype)
+    config = llama_config(args.arch, args.dtype, args.layers)
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
     shapes = {k: v.shape for k, v in skeleton.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -139,6 +143,11 @@ def worker(args) -> dict:
     from featcal_fusionbench.lazy_models import load_lazily
     from featcal_fusionbench.streams import StreamOptions
 
+    import psutil
+
+    # what the interpreter, torch and transformers hold before any model exists: at 1B bf16 scale a sizeable part
+    # of the peak that no calibration design can remove
+    runtime_bytes = psutil.Process().memory_info().rss
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     paths = {n: Path(args.workdir) / n for n in ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]}
     merged = LlamaForCausalLM.from_pretrained(paths["merged"], torch_dtype=dtype).eval().to(device)
@@ -170,6 +179,7 @@ def worker(args) -> dict:
     return {
         "mode": args.worker,
         **stage_figures(seconds, floor, rss, device),
+        "rss_runtime_bytes": runtime_bytes,
         "model_bytes": model_bytes(merged),
         "statistics_bytes": report["statistics_bytes"],
         "streams": report["streams"],
@@ -187,6 +197,8 @@ def main():
     parser.add_argument("--tasks", type=int, default=3)
     parser.add_argument("--n", type=int, default=8, help="calibration sequences per task")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the architecture's); fewer for a quick "
+                        "look at one block's work, whose memory does not depend on the depth")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -204,8 +216,8 @@ def main():
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES) or not modes:
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
-    if min(args.tasks, args.n, args.seq_len, args.batch_size) < 1:
-        parser.error("--tasks, --n, --seq-len and --batch-size must be >= 1")
+    if min(args.tasks, args.n, args.seq_len, args.batch_size, 1 if args.layers is None else args.layers) < 1:
+        parser.error("--tasks, --n, --seq-len, --batch-size and --layers must be >= 1")
     try:
         from featcal_fusionbench.streams import StreamOptions
 
@@ -216,7 +228,8 @@ def main():
         parser.error("--device cuda but no CUDA device is available")
     if args.workdir is None:
         # the same in every mode process
-        args.workdir = str(Path.home() / ".cache" / "featcal-fusionbench" / "bench" / f"{args.arch}-{args.tasks}-{args.dtype}")
+        layers = "" if args.layers is None else f"-{args.layers}layers"
+        args.workdir = str(Path.home() / ".cache" / "featcal-fusionbench" / "bench" / f"{args.arch}{layers}-{args.tasks}-{args.dtype}")
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
@@ -231,7 +244,9 @@ def main():
         gib = 2**30
         print(f"{mode:6s} FeatCal {result['seconds']:8.1f} s  floor {result['forward_floor_seconds']:7.1f} s  "
               f"x{result['ratio_to_floor']:5.2f}  peak RSS {result['peak_rss_bytes'] / gib:6.2f} GiB "
-              f"= {result['peak_rss_bytes'] / result['model_bytes']:.2f} x one model ({result['model_bytes'] / gib:.2f} GiB)"
+              f"= {result['peak_rss_bytes'] / result['model_bytes']:.2f} x one model ({result['model_bytes'] / gib:.2f} GiB); "
+              f"{(result['peak_rss_bytes'] - result['rss_runtime_bytes']) / result['model_bytes']:.2f} x above the "
+              f"runtime's {result['rss_runtime_bytes'] / gib:.2f} GiB"
               f"  statistics {result['statistics_bytes'] / 2**20:.0f} MiB"
               + (f"  peak device {result['peak_device_bytes'] / gib:.2f} GiB" if result["peak_device_bytes"] else ""))
         if result["phase_seconds"]:
@@ -242,7 +257,7 @@ def main():
               f"spilled ({streams['spill']}) {streams['peak_spilled_bytes'] / gib:.2f} GiB")
         print(f"       saving ({args.max_shard_size} shards) {result['save_seconds']:.1f} s, RSS "
               f"{result['save_rss_before_bytes'] / gib:.2f} -> {result['save_peak_rss_during_bytes'] / gib:.2f} GiB")
-    summary = {**provenance(__file__, args.device), "arch": args.arch, "tasks": args.tasks, "n": args.n,
+    summary = {**provenance(__file__, args.device), "arch": args.arch, "layers": args.layers, "tasks": args.tasks, "n": args.n,
                "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
                "stream_device_bytes": args.stream_device_bytes, "stream_spill": args.stream_spill,
                "results": results}
