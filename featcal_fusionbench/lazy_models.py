@@ -59,8 +59,8 @@ class CheckpointTensors:
             by_file[self.files[key]].append(key)
         out = {}
         for path, names in by_file.items():  # one shard open at a time
-            header, data_start = _safetensors_header(path)
             with open(path, "rb", buffering=0) as f:
+                header, data_start = _safetensors_header(f)
                 for name in names:
                     entry = header[name]
                     begin, end = entry["data_offsets"]
@@ -83,11 +83,11 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _safetensors_header(path: Path) -> Tuple[Dict[str, Any], int]:
-    """The file's tensor entries and where their data starts: 8 bytes of header size, the JSON header, the data."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
+def _safetensors_header(f) -> Tuple[Dict[str, Any], int]:
+    """The open file's tensor entries and where their data starts: 8 bytes of header size, the JSON header, the
+    data."""
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
     header.pop("__metadata__", None)
     return header, 8 + size
 
