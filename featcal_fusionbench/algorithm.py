@@ -14,6 +14,7 @@ from .autoselect import auto_calibrate
 from .data import calibration_source, select_calibration_data, shard
 from .engine import FeatCalEngine, plan_blocks
 from .families import checked_options, family_for
+from .hub_access import check_path_option
 from .hparams import DEFAULTS, FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
 from .selection import SelectionOptions, check_split_sizes
@@ -79,6 +80,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     ):
         super().__init__(**kwargs)
         # Validates every hyperparameter now, before any model or data is loaded.
+        check_path_option("method.merged_model_path", merged_model_path)
         arguments = locals()
         self.featcal_hparams = FeatCalHParams(**{k: arguments[k] for k in FeatCalHParams.__dataclass_fields__})
         self.stream_options = StreamOptions(stream_device_bytes, stream_spill, stream_spill_dir)

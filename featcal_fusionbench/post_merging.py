@@ -8,6 +8,7 @@ runs when the input is bad.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from torch import nn
 from .checks import check_same_architecture
 from .data import check_splits
 from .families import family_class_for
+from .hub_access import check_hub_access, hub_id, pool_sources
 from .lazy_models import load_pool_model_lazily
 from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
@@ -44,7 +46,11 @@ class PostMergingMixin:
         if not tasks:
             raise ValueError("the model pool has no expert models besides `_pretrained_`")
         check_upstream_source(modelpool, self.upstream, self.merged_model_path)
-        check_splits(modelpool, tasks, split, getattr(self, "calibration_datasets", None))
+        calibration = getattr(self, "calibration_datasets", None)
+        merged_id = hub_id(self.merged_model_path)
+        merged = [("method.merged_model_path", merged_id, "model")] if merged_id else []
+        check_hub_access(itertools.chain(merged, pool_sources(modelpool, calibration)))
+        check_splits(modelpool, tasks, split, calibration)
         return tasks
 
     def load_base_and_experts(self, modelpool, tasks, lazy: bool = False) -> Tuple[nn.Module, Dict[str, nn.Module]]:

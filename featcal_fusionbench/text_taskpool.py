@@ -3,7 +3,7 @@
 Scores as FusionBench's ``flan-t5_glue_text_generation`` pool does, with FusionBench's own functions:
 ``generate(max_length=10)`` and exact match of the decoded text, or Spearman's rho of ``float()``-parsed
 outputs for regression tasks (STS-B). Three things are added: any task list and dataset (loaded from a
-config, e.g. FusionBench's ``load_glue_dataset`` or ``datasets.load_from_disk``), the ``average`` of the
+config, e.g. ``featcal_fusionbench.glue.load_glue_dataset`` or ``datasets.load_from_disk``), the ``average`` of the
 per-task scores, and the task switch that per-task post-merging wrappers (Surgery, ProbSurgery) need:
 a model with ``is_surgery_model`` gets ``active_task`` set before each task is evaluated.
 """
@@ -11,6 +11,7 @@ a model with ``is_surgery_model`` gets ``active_task`` set before each task is e
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, Optional, Sequence
 
 from fusion_bench.mixins import LightningFabricMixin
@@ -36,6 +37,20 @@ def load_tokenizer(tokenizer: Any):
     if isinstance(tokenizer, (dict, DictConfig)):
         return instantiate(tokenizer)
     return tokenizer
+
+
+def average_report(scores: Dict[str, float]) -> Dict[str, Any]:
+    """The mean of the per-task scores. Spearman's rho is undefined (NaN) when a model's outputs, or their parsed
+    values, are all equal (e.g. STS-B scored on a model that writes one word); the average is then undefined too, and
+    the report says which task made it so and gives the mean over the others, rather than an average of NaN."""
+    undefined = sorted(t for t, v in scores.items() if math.isnan(v))
+    if not undefined:
+        return {"score": sum(scores.values()) / len(scores)}
+    defined = [v for t, v in scores.items() if t not in undefined]
+    note = (f"undefined: {', '.join(undefined)} scored NaN (Spearman's rho of constant outputs is undefined); "
+            f"score_of_defined is the mean over the other {len(defined)} task(s)")
+    log.warning("average %s", note)
+    return {"score": None, "score_of_defined": sum(defined) / len(defined) if defined else None, "note": note}
 
 
 class TextGenerationTaskPool(LightningFabricMixin, BaseTaskPool):
@@ -124,11 +139,10 @@ class TextGenerationTaskPool(LightningFabricMixin, BaseTaskPool):
             with active_task(model, task):
                 report[task] = self._score(device_model, task)
             log.info("task %s: %s", task, report[task])
-        scores = [report[t][self.metric(t)] for t in self.task_names]
-        report["average"] = {"score": sum(scores) / len(scores)}
+        report["average"] = average_report({t: report[t][self.metric(t)] for t in self.task_names})
         if name is not None:
             report["model_info"] = {"name": name}
         return report
 
 
-__all__ = ["TextGenerationTaskPool", "active_task", "load_tokenizer"]
+__all__ = ["TextGenerationTaskPool", "active_task", "average_report", "load_tokenizer"]

@@ -141,3 +141,13 @@ def test_norms_stay_merged_when_norm_calibration_is_off():
     assert not any("layer_norm" in m for b in report["blocks"] for m in b["modules"])
     drift = report["blocks"][-1]["drift"]
     assert all(d["after"]["l2"] < d["before"]["l2"] for d in drift.values())
+
+
+def test_an_undefined_spearman_rho_is_named_in_the_average_not_averaged_as_nan():
+    from featcal_fusionbench.text_taskpool import average_report
+
+    assert average_report({"glue-cola": 0.5, "glue-stsb": 0.25}) == {"score": 0.375}
+    report = average_report({"glue-cola": 0.5, "glue-rte": 0.7, "glue-stsb": float("nan")})
+    assert report["score"] is None
+    assert report["score_of_defined"] == pytest.approx(0.6)
+    assert "glue-stsb" in report["note"] and "other 2" in report["note"]

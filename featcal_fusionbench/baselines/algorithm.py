@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..data import SPLITS, calibration_source, select_calibration_data
 from ..families import checked_options, family_for, to_device
+from ..hub_access import check_path_option
 from ..post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 
@@ -60,6 +61,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         **kwargs,
     ):
         super().__init__(**kwargs)
+        check_path_option("method.merged_model_path", merged_model_path)
         checked_options(family_options)
         _check_int("num_calibration_examples", num_calibration_examples, 1)
         _check_int("max_steps", max_steps, 0)

@@ -6,12 +6,18 @@ the search path, after FusionBench's own so theirs win any name clash. When the
 FusionBench CLI picked a `./config` folder of the current directory as its primary
 config path (as it does from this repository's root), FusionBench's configs are not
 on the path at all; they are appended too, so `fabric_model_fusion` still resolves.
+
+One folder goes ahead of FusionBench's instead: `featcal_fusionbench_config_fixes`, copies of
+FusionBench configs that name hub ids the hub has renamed (docs/compatibility.md, "Hub ids we
+override"). It holds nothing else, so that dropping it is all it takes once FusionBench releases
+the fix.
 """
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 FEATCAL_CONFIGS = "pkg://featcal_fusionbench_config"
+FEATCAL_CONFIG_FIXES = "pkg://featcal_fusionbench_config_fixes"
 FUSION_BENCH_CONFIGS = "pkg://fusion_bench_config"
 
 
@@ -22,3 +28,5 @@ class FeatCalSearchPathPlugin(SearchPathPlugin):
             search_path.append(provider="fusion_bench", path=FUSION_BENCH_CONFIGS)
         if FEATCAL_CONFIGS not in paths:
             search_path.append(provider="featcal-fusionbench", path=FEATCAL_CONFIGS)
+        if FEATCAL_CONFIG_FIXES not in paths:
+            search_path.prepend(provider="featcal-fusionbench-fixes", path=FEATCAL_CONFIG_FIXES)

@@ -1,0 +1,128 @@
+"""Every hub repository a run will read, checked with one metadata request each before anything is downloaded.
+
+A misspelt id, a renamed dataset or a gated model otherwise surfaces minutes into a run, after the base and several
+experts were downloaded, as a loader's error that names neither the option nor what to do. Here each model entry of
+the pool (and its processor or tokenizer), each ``datasets.load_dataset`` entry, each calibration dataset and
+``merged_model_path`` is checked first, and the error names the option, the id and the remedy. Offline
+(``HF_HUB_OFFLINE``) nothing is asked; an unreachable hub leaves the loaders to fall back on the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# Our loaders that read a fixed hub dataset (their configs name no id)
+_FIXED_DATASETS = {"featcal_fusionbench.glue.load_glue_dataset": "nyu-mll/glue"}
+_HUB_PREFIXES = ("hf://", "huggingface://")
+
+
+def hub_id(value: Any) -> Optional[str]:
+    """The hub id ``value`` names, or None when it is no string or an existing local path."""
+    if not isinstance(value, str) or os.path.exists(value):
+        return None
+    for prefix in _HUB_PREFIXES:
+        if value.startswith(prefix):
+            return value[len(prefix):]
+    return value
+
+
+def check_path_option(option: str, value: Optional[str]) -> None:
+    """A path option (a folder, a file, or a hub id) that is neither an existing path nor a well-formed hub id fails
+    here, naming the option; whether a well-formed id exists is asked by ``check_hub_access``."""
+    repo_id = hub_id(value)
+    if repo_id is None:
+        return
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"{option}={value!r}: no such file or folder, and not a hub id (`name` or `namespace/name`)"
+        ) from None
+
+
+def _plain(config: Any) -> Any:
+    if isinstance(config, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(config, resolve=True)
+    return config
+
+
+def _dataset_id(config: Any) -> Optional[str]:
+    config = _plain(config)
+    if not isinstance(config, Mapping):
+        return None
+    target = config.get("_target_")
+    if target in _FIXED_DATASETS:
+        return _FIXED_DATASETS[target]
+    if target == "datasets.load_dataset":
+        args = config.get("_args_") or []
+        return hub_id(config.get("path", args[0] if args else None))
+    return None
+
+
+def _model_id(config: Any) -> Optional[str]:
+    config = _plain(config)
+    if isinstance(config, Mapping):
+        config = config.get("pretrained_model_name_or_path")
+    return hub_id(config)
+
+
+def pool_sources(modelpool, calibration_datasets: Optional[Mapping] = None) -> Iterator[Tuple[str, str, str]]:
+    """(option, hub id, repo type) for every hub repository the pool and the calibration data name."""
+    for name, config in (getattr(modelpool, "_models", None) or {}).items():
+        repo_id = _model_id(config)
+        if repo_id:
+            yield f"modelpool.models.{name}", repo_id, "model"
+    for attr in ("processor", "tokenizer"):
+        repo_id = _model_id(getattr(modelpool, f"_{attr}", None))
+        if repo_id:
+            yield f"modelpool.{attr}", repo_id, "model"
+    for split in ("train", "val", "test"):
+        for name, config in (getattr(modelpool, f"_{split}_datasets", None) or {}).items():
+            repo_id = _dataset_id(config)
+            if repo_id:
+                yield f"modelpool.{split}_datasets.{name}", repo_id, "dataset"
+    for name, config in (calibration_datasets or {}).items():
+        repo_id = _dataset_id(config)
+        if repo_id:
+            yield f"method.calibration_datasets.{name}", repo_id, "dataset"
+
+
+def check_hub_access(sources) -> None:
+    """One ``repo_info`` per distinct repository; the first missing or gated one fails the run, named."""
+    if constants.HF_HUB_OFFLINE:
+        return
+    api = HfApi()
+    seen: Dict[Tuple[str, str], str] = {}
+    for option, repo_id, repo_type in sources:
+        if (repo_id, repo_type) in seen:
+            continue
+        seen[(repo_id, repo_type)] = option
+        page = f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+        try:
+            api.repo_info(repo_id, repo_type=repo_type)
+        except GatedRepoError:
+            raise PermissionError(
+                f"{option}: {repo_id!r} is a gated {repo_type} on the Hugging Face hub. Accept its conditions at "
+                f"{page} with your account, then log in on this machine (`huggingface-cli login`, or set HF_TOKEN "
+                f"to a token of that account) and run again."
+            ) from None
+        except RepositoryNotFoundError:
+            raise FileNotFoundError(
+                f"{option}: {repo_id!r} is neither a local path nor a {repo_type} on the Hugging Face hub "
+                f"({constants.ENDPOINT}). Check the id (a private repository answers the same without a token)."
+            ) from None
+        except (HFValidationError, ValueError) as error:
+            raise FileNotFoundError(f"{option}: {repo_id!r} is not a local path nor a hub id: {error}") from None
+        except OSError as error:  # no connection: the loaders fall back on the local cache
+            log.warning("could not reach the hub to check %s (%s): %s", option, repo_id, error)
+            return

@@ -1,0 +1,225 @@
+"""The README's paper commands, as typed, against a hub of our own on 127.0.0.1 (tests/hubmirror).
+
+Each command runs through the real ``fusion_bench`` CLI in a process of its own, online: ``HF_ENDPOINT`` names the
+mirror, the offline flags are unset, and a fresh ``HF_HOME`` makes each run a first run. Only tiny budgets are
+appended (calibration examples, steps, iterations, loader workers). Traffic stays on the loopback: proxies for any
+other address point at a closed loopback port, and telemetry is off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hubmirror.server import HubMirror
+from hubmirror.standins import GLUE, TA8, build
+
+FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
+TOKEN = "hf_mirror_test_token"
+TINY = ["method.num_calibration_examples=4"]
+TA8_POOLS = ["modelpool=CLIPVisionModelPool/clip-vit-base-patch32_TA8",
+             "taskpool=CLIPVisionModelTaskPool/clip-vit-classification_TA8"]
+# openai/clip-vit-base-patch32 main's files that a torch run does not load (FusionBench's pool snapshot-downloads)
+UNLOADED = ("tf_model.h5", "flax_model.msgpack")
+
+
+@pytest.fixture(scope="module")
+def hub_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hub")
+    build(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(hub_folder):
+    with HubMirror(hub_folder, token=TOKEN) as mirror:
+        yield mirror
+
+
+def hub_env(hub: HubMirror, home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens, so a request for any other host fails at once
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(home / "hf"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_IMPLICIT_TOKEN="1", HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead,
+               https_proxy=dead, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    return env
+
+
+def fusion_bench(hub: HubMirror, tmp_path: Path, command: str, *appended: str, ok: bool = True) -> dict:
+    """Run ``command`` (as the README writes it, ``fusion_bench`` first) with ``appended`` arguments in ``tmp_path``;
+    return its program report, or the process when ``ok`` is False."""
+    args = command.split()
+    assert args[0] == "fusion_bench"
+    run = subprocess.run([FUSION_BENCH, *args[1:], *appended], cwd=tmp_path, env=hub_env(hub, tmp_path),
+                         capture_output=True, text=True, timeout=900)
+    if not ok:
+        return run
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    reports = list(tmp_path.glob("outputs/**/program_report.json"))
+    assert len(reports) == 1, reports
+    return json.loads(reports[0].read_text())
+
+
+def served(hub: HubMirror, since: int) -> set:
+    """Repository paths (``datasets/ylecun/mnist``, ``openai/clip-vit-base-patch32``) of files fetched after ``since``."""
+    names = set()
+    for request in hub.log[since:]:
+        if request.method == "GET" and request.status == 200 and "/resolve/" in request.path:
+            names.add(request.path.split("/resolve/")[0].lstrip("/"))
+    return names
+
+
+def assert_ta8_report(section: dict) -> None:
+    assert set(TA8) <= set(section), sorted(section)
+    for task in TA8 + ["average"]:
+        assert 0.0 <= section[task]["accuracy"] <= 1.0
+
+
+def test_the_bare_ids_fusionbench_names_are_not_found_on_the_mirror(hub, tmp_path, monkeypatch):
+    """As on the hub today: what makes FusionBench 0.2.33's own configs fail (docs/compatibility.md)."""
+    script = ("import datasets, sys\n"
+              "for args in (['mnist'], ['svhn', 'cropped_digits'], ['glue', 'cola']):\n"
+              "    try:\n        datasets.load_dataset(*args, split='train')\n    except Exception as e:\n"
+              "        print(type(e).__name__)\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=hub_env(hub, tmp_path),
+                         capture_output=True, text=True, timeout=300)
+    assert run.stdout.split() == ["DatasetNotFoundError"] * 3, run.stderr[-3000:]
+
+
+def test_clip_ta8_readme_command(hub, tmp_path):
+    since = len(hub.log)
+    report = fusion_bench(hub, tmp_path, "fusion_bench method=featcal " + " ".join(TA8_POOLS), *TINY)
+    assert_ta8_report(report)
+    fetched = served(hub, since)
+    assert {"datasets/ylecun/mnist", "datasets/ufldl-stanford/svhn", "openai/clip-vit-base-patch32"} <= fetched
+    assert {f"tanganke/clip-vit-base-patch32_{t}" for t in TA8} <= fetched
+    # What a first run costs: FusionBench's CLIP pool fetches the base repository whole (snapshot_download),
+    # weights for other frameworks included (README, "What a first run downloads").
+    whole = hub.fetched("/openai/clip-vit-base-patch32/resolve/")
+    assert any(path.endswith(UNLOADED) for path in whole), sorted(whole)
+
+
+def test_clip_ta8_short_pool_name_with_upstream_evaluated(hub, tmp_path):
+    report = fusion_bench(hub, tmp_path, "fusion_bench method=featcal/clip_ta method.return_upstream=true "
+                          "modelpool=clip-vit-base-patch32_TA8 taskpool=CLIPVisionModelTaskPool/clip-vit-classification_TA8",
+                          *TINY)
+    assert_ta8_report(report["upstream"])
+    assert_ta8_report(report["featcal"])
+
+
+@pytest.mark.parametrize("method", ["surgery/clip_ta", "probsurgery/clip_ta"])
+def test_surgery_and_probsurgery_after_task_arithmetic(hub, tmp_path, method):
+    report = fusion_bench(hub, tmp_path, f"fusion_bench method={method} " + " ".join(TA8_POOLS),
+                          *TINY, "method.max_steps=2", "method.batch_size=4")
+    assert_ta8_report(report)
+
+
+def test_featcal_after_wudi(hub, tmp_path):
+    report = fusion_bench(hub, tmp_path, "fusion_bench method=featcal/clip_wudi " + " ".join(TA8_POOLS),
+                          *TINY, "method.upstream.iter_num=2")
+    assert_ta8_report(report)
+
+
+def test_flan_t5_glue_readme_command(hub, tmp_path):
+    since = len(hub.log)
+    report = fusion_bench(hub, tmp_path, "fusion_bench method=featcal/flan_t5_ta method.return_upstream=true "
+                          "modelpool=Seq2SeqLMPool/flan-t5-base_glue taskpool=flan-t5_glue_text_generation_average",
+                          *TINY)
+    assert "datasets/nyu-mll/glue" in served(hub, since)
+    for model in ("upstream", "featcal"):
+        section = report[model]
+        assert {f"glue-{t}" for t in GLUE} <= set(section)
+        average = section["average"]
+        if average["score"] is None:  # STS-B's rho on constant outputs: said, not averaged as NaN
+            assert "glue-stsb" in average["note"] and 0.0 <= average["score_of_defined"] <= 1.0
+        else:
+            assert 0.0 <= average["score"] <= 1.0 or average["score"] < 0  # a rho may be negative
+
+
+def test_openclip_readme_command(hub, tmp_path):
+    """The task-vector checkpoints are local files (FusionBench's config: ./.cache/task_vectors_checkpoints); the
+    datasets come from the hub. Full ViT-B/32 shapes, random weights; two distinct checkpoints (base, one expert
+    linked under every task's name) keep the disk to 0.7 GB."""
+    write_task_vector_checkpoints(tmp_path / ".cache" / "task_vectors_checkpoints" / "ViT-B-32")
+    report = fusion_bench(hub, tmp_path, "fusion_bench method=featcal/openclip_ta "
+                          "modelpool=OpenCLIPVisionModelPool/ViT-B-32_TA8_quickgelu "
+                          "taskpool=OpenCLIPVisionModelTaskPool/ViT-B-32_TA8_active_task",
+                          "method.num_calibration_examples=2", "taskpool.dataloader_kwargs.num_workers=0")
+    assert_ta8_report(report)
+
+
+# FusionBench's OpenCLIPVisionModelPool/ViT-B-32_TA8.yaml: task -> checkpoint folder and head name
+_TASK_VECTOR_NAMES = {"sun397": "SUN397", "stanford-cars": "Cars", "resisc45": "RESISC45", "eurosat": "EuroSAT",
+                      "svhn": "SVHN", "gtsrb": "GTSRB", "mnist": "MNIST", "dtd": "DTD"}
+
+
+def write_task_vector_checkpoints(folder: Path) -> None:
+    import torch
+    from fusion_bench.models.open_clip import ClassificationHead
+    from fusion_bench.tasks.clip_classification import get_classnames_and_templates
+
+    from featcal_fusionbench.openclip_pools import CheckpointImageEncoder
+
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)
+    base = CheckpointImageEncoder("ViT-B-32")
+    torch.save(base, folder / "zeroshot.pt")
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    torch.save(base, folder / "expert.pt")
+    for task, name in _TASK_VECTOR_NAMES.items():
+        (folder / name).mkdir()
+        os.link(folder / "expert.pt", folder / name / "finetuned.pt")
+        classes = len(get_classnames_and_templates(task)[0])
+        head = ClassificationHead(normalize=True, weights=torch.randn(classes, 512))
+        torch.save(head, folder / f"head_{name}.pt")
+
+
+def test_a_gated_repository_says_how_to_log_in_before_any_download(hub_folder, tmp_path):
+    with HubMirror(hub_folder, token=TOKEN, gated={"models/openai/clip-vit-base-patch32"}) as gated:
+        run = fusion_bench(gated, tmp_path, "fusion_bench method=featcal " + " ".join(TA8_POOLS), *TINY, ok=False)
+        assert run.returncode != 0
+        message = " ".join(run.stderr.split())  # the CLI's error panel wraps lines
+        assert "modelpool.models._pretrained_: 'openai/clip-vit-base-patch32' is a gated model" in message, message[-3000:]
+        assert "huggingface-cli login" in message and "HF_TOKEN" in message
+        assert gated.fetched() == {}  # failed before any file was downloaded
+
+
+def test_the_check_passes_a_gated_repository_with_its_token(hub_folder, monkeypatch):
+    from huggingface_hub import constants
+
+    from featcal_fusionbench.hub_access import check_hub_access
+
+    with HubMirror(hub_folder, token=TOKEN, gated={"models/openai/clip-vit-base-patch32"}) as gated:
+        monkeypatch.setattr(constants, "ENDPOINT", gated.endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        check_hub_access([("modelpool.models._pretrained_", "openai/clip-vit-base-patch32", "model")])
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        with pytest.raises(PermissionError, match="gated model"):
+            check_hub_access([("modelpool.models._pretrained_", "openai/clip-vit-base-patch32", "model")])
+
+
+def test_a_merged_model_path_that_is_no_path_nor_hub_id_fails_at_once(hub, tmp_path):
+    run = fusion_bench(hub, tmp_path, "fusion_bench method=featcal method.merged_model_path=/nonexistent/merged "
+                       + " ".join(TA8_POOLS), ok=False)
+    assert ("method.merged_model_path='/nonexistent/merged': no such file or folder, and not a hub id"
+            in " ".join(run.stderr.split()))
+    assert not list(tmp_path.glob("hf/hub/models--*"))  # nothing was downloaded
+
+
+def test_a_well_formed_id_that_does_not_exist_says_so_before_any_download(hub, tmp_path):
+    since = len(hub.log)
+    run = fusion_bench(hub, tmp_path, "fusion_bench method=featcal method.merged_model_path=someone/no-such-merge "
+                       + " ".join(TA8_POOLS), ok=False)
+    assert ("method.merged_model_path: 'someone/no-such-merge' is neither a local path nor a model on the Hugging "
+            "Face hub") in " ".join(run.stderr.split()), run.stderr[-3000:]
+    assert not [r for r in hub.log[since:] if r.method == "GET" and "/resolve/" in r.path]
