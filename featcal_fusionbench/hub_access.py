@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from huggingface_hub import HfApi, constants
+from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -126,3 +126,37 @@ def check_hub_access(sources) -> None:
         except OSError as error:  # no connection: the loaders fall back on the local cache
             log.warning("could not reach the hub to check %s (%s): %s", option, repo_id, error)
             return
+
+
+def loaded_files(repo_id: str) -> List[str]:
+    """The patterns of the files ``from_pretrained`` reads from a model repository: configs, tokenizer and processor
+    files, and one weight format (safetensors where the repository has it, else PyTorch's .bin)."""
+    files = [s.rfilename for s in HfApi().model_info(repo_id).siblings or []]
+    safetensors = any(f.endswith(".safetensors") for f in files)
+    weights = ["*.safetensors", "*.safetensors.index.json"] if safetensors else ["pytorch_model*.bin",
+                                                                                 "pytorch_model.bin.index.json"]
+    return ["*.json", "*.txt", "*.model", *weights]
+
+
+def fetch_only_loaded_files(modelpool) -> None:
+    """FusionBench's ``CLIPVisionModelPool`` fetches each hub id it holds as a string (models, processor) with
+    ``snapshot_download``: the whole repository. ``openai/clip-vit-base-patch32``'s main branch holds its weights
+    for PyTorch, TensorFlow and Flax (1.8 GB, of which a torch run loads 0.6). Each such entry is fetched here with
+    the files ``from_pretrained`` reads and replaced by the local snapshot, which the pool then uses as it is."""
+    from fusion_bench.modelpool import CLIPVisionModelPool
+
+    if constants.HF_HUB_OFFLINE or not isinstance(modelpool, CLIPVisionModelPool):
+        return
+    if getattr(modelpool, "_platform", "hf") not in ("hf", "huggingface"):
+        return
+    entries = [(modelpool._models, name) for name in list(modelpool._models)] + [(modelpool, "_processor")]
+    for holder, key in entries:
+        value = holder[key] if holder is modelpool._models else getattr(holder, key, None)
+        repo_id = hub_id(value)
+        if repo_id is None:
+            continue
+        local = snapshot_download(repo_id, allow_patterns=loaded_files(repo_id))
+        if holder is modelpool._models:
+            holder[key] = local
+        else:
+            setattr(holder, key, local)

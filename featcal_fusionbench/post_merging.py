@@ -21,7 +21,7 @@ from torch import nn
 from .checks import check_same_architecture
 from .data import check_splits
 from .families import family_class_for
-from .hub_access import check_hub_access, hub_id, pool_sources
+from .hub_access import check_hub_access, fetch_only_loaded_files, hub_id, pool_sources
 from .lazy_models import load_pool_model_lazily
 from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
@@ -51,6 +51,7 @@ class PostMergingMixin:
         merged = [("method.merged_model_path", merged_id, "model")] if merged_id else []
         check_hub_access(itertools.chain(merged, pool_sources(modelpool, calibration)))
         check_splits(modelpool, tasks, split, calibration)
+        fetch_only_loaded_files(modelpool)  # the checks passed: what the pool would snapshot, fetched lean
         return tasks
 
     def load_base_and_experts(self, modelpool, tasks, lazy: bool = False) -> Tuple[nn.Module, Dict[str, nn.Module]]:

@@ -99,11 +99,14 @@ def test_clip_ta8_readme_command(hub, tmp_path):
     assert_ta8_report(report)
     fetched = served(hub, since)
     assert {"datasets/ylecun/mnist", "datasets/ufldl-stanford/svhn", "openai/clip-vit-base-patch32"} <= fetched
+    svhn = [p for p in hub.fetched("/datasets/ufldl-stanford/svhn/") if p.endswith(".parquet")]
+    assert svhn and not [p for p in svhn if "/extra-" in p], svhn  # only the splits the pool reads
     assert {f"tanganke/clip-vit-base-patch32_{t}" for t in TA8} <= fetched
-    # What a first run costs: FusionBench's CLIP pool fetches the base repository whole (snapshot_download),
-    # weights for other frameworks included (README, "What a first run downloads").
-    whole = hub.fetched("/openai/clip-vit-base-patch32/resolve/")
-    assert any(path.endswith(UNLOADED) for path in whole), sorted(whole)
+    # FusionBench's CLIP pool would snapshot the base repository whole, weights for TensorFlow and Flax included;
+    # only what transformers loads is fetched (hub_access.fetch_only_loaded_files)
+    base = hub.fetched("/openai/clip-vit-base-patch32/resolve/")
+    assert any(path.endswith("pytorch_model.bin") for path in base), sorted(base)
+    assert not any(path.endswith(UNLOADED) for path in base), sorted(base)
 
 
 def test_clip_ta8_short_pool_name_with_upstream_evaluated(hub, tmp_path):
