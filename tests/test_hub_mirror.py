@@ -24,7 +24,7 @@ TOKEN = "hf_mirror_test_token"
 TINY = ["method.num_calibration_examples=4"]
 TA8_POOLS = ["modelpool=CLIPVisionModelPool/clip-vit-base-patch32_TA8",
              "taskpool=CLIPVisionModelTaskPool/clip-vit-classification_TA8"]
-# openai/clip-vit-base-patch32 main's files that a torch run does not load (FusionBench's pool snapshot-downloads)
+# weight files of the base repositories that a torch run does not load
 UNLOADED = ("tf_model.h5", "flax_model.msgpack")
 
 
@@ -136,6 +136,9 @@ def test_flan_t5_glue_readme_command(hub, tmp_path):
                           "modelpool=Seq2SeqLMPool/flan-t5-base_glue taskpool=flan-t5_glue_text_generation_average",
                           *TINY)
     assert "datasets/nyu-mll/glue" in served(hub, since)
+    base = hub.fetched("/google/flan-t5-base/resolve/")  # from_pretrained: safetensors only, no other format
+    assert any(p.endswith("model.safetensors") for p in base), sorted(base)
+    assert not any(p.endswith(("pytorch_model.bin",) + UNLOADED) for p in base), sorted(base)
     for model in ("upstream", "featcal"):
         section = report[model]
         assert {f"glue-{t}" for t in GLUE} <= set(section)

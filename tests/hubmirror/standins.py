@@ -44,7 +44,10 @@ IMAGE_DATASETS = {
     "mnist": ("ylecun/mnist", "mnist"), "dtd": ("tanganke/dtd", None),
 }
 IMAGE_SPLITS = {"train": 8, "test": 8}
-EXTRA_SPLITS = {"svhn": {"extra": 4}}  # ufldl-stanford/svhn's cropped_digits also has `extra`
+# ufldl-stanford/svhn's cropped_digits also has `extra`; four tanganke datasets also hold corrupted test sets
+CORRUPTIONS = ["contrast", "gaussian_noise", "impulse_noise", "jpeg_compression", "motion_blur", "pixelate", "spatter"]
+EXTRA_SPLITS = {"svhn": {"extra": 4}, **{task: {c: 2 for c in CORRUPTIONS}
+                                         for task in ("stanford-cars", "resisc45", "eurosat", "gtsrb")}}
 # nyu-mll/glue: config -> (columns other than label / idx, label names or None for STS-B's float score, splits)
 GLUE = {
     "cola": (["sentence"], ["unacceptable", "acceptable"], ["train", "validation", "test"]),
