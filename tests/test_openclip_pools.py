@@ -200,7 +200,10 @@ def test_a_merged_encoder_saved_by_the_pool_is_read_back_by_merged_model_path(cl
     assert list(results[0]) == list(results[1])
     for key, value in results[0].items():
         torch.testing.assert_close(results[1][key], value, msg=key)
-    algo = cls(upstream=None, merged_model_path=str(tmp_path / "absent"), num_calibration_examples=8)
+    with pytest.raises(FileNotFoundError, match="merged_model_path=.*absent.*: no such file or folder"):
+        cls(upstream=None, merged_model_path=str(tmp_path / "absent"), num_calibration_examples=8)  # at once
+    (tmp_path / "a_folder").mkdir()
+    algo = cls(upstream=None, merged_model_path=str(tmp_path / "a_folder"), num_calibration_examples=8)
     algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
     with pytest.raises(FileNotFoundError, match="state dict file"):
         algo.run(load(tiny_pool["modelpool"]))
