@@ -104,11 +104,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 )
             share = hp.num_calibration_examples // world_size
             check_split_sizes(share, 1, self.selection_options.heldout_fraction, tasks)
-        with self.profile("load models"):
-            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading)
-            family = family_for(base, self.family_options)
-            family.check_models(modelpool, base)
-            plan_blocks(family, base, hp)
+        # The data first: a dataset that is missing a field or too small fails before any model is loaded.
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
                 modelpool, tasks, hp.num_calibration_examples, hp.seed, calibration_datasets=self.calibration_datasets
@@ -117,6 +113,11 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             # all-reduced before each solve, so every rank solves the same systems.
             rank = self.fabric.global_rank
             datasets = {t: shard(d, rank, world_size) for t, d in datasets.items()}
+        with self.profile("load models"):
+            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading)
+            family = family_for(base, self.family_options)
+            family.check_models(modelpool, base)
+            plan_blocks(family, base, hp)
 
         with self.profile("upstream merge"):
             merged, source = self.load_merged(modelpool, base, experts)

@@ -19,10 +19,12 @@ from huggingface_hub.errors import GatedRepoError, HFValidationError, Repository
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .glue import GLUE_HUB_ID
+
 log = logging.getLogger(__name__)
 
 # Our loaders that read a fixed hub dataset (their configs name no id)
-_FIXED_DATASETS = {"featcal_fusionbench.glue.load_glue_dataset": "nyu-mll/glue"}
+_FIXED_DATASETS = {"featcal_fusionbench.glue.load_glue_dataset": GLUE_HUB_ID}
 _HUB_PREFIXES = ("hf://", "huggingface://")
 
 

@@ -57,12 +57,18 @@ def parse_tasks(tasks) -> Dict[str, Dict[str, Optional[str]]]:
     parsed = {}
     for name, spec in tasks.items():
         spec = dict(spec or {})
-        unknown = set(spec) - {"metric", "expert"}
+        unknown = set(spec) - {"metric", "expert", "apply_chat_template"}
         if unknown:
             raise ValueError(f"task {name!r}: unknown key(s) {sorted(unknown)}; a task takes `metric` (lm-eval's "
-                             f"'<metric>,<filter>' key, e.g. 'exact_match,strict-match') and `expert`")
-        # No `expert` key: the task's own name; `expert: null`: no map (a task no expert was trained for)
-        parsed[str(name)] = {"metric": spec.get("metric"), "expert": spec.get("expert", str(name))}
+                             f"'<metric>,<filter>' key, e.g. 'exact_match,strict-match'), `expert` and "
+                             f"`apply_chat_template`")
+        chat = spec.get("apply_chat_template")
+        if chat is not None and not isinstance(chat, bool):
+            raise ValueError(f"task {name!r}: apply_chat_template must be true, false or null, got {chat!r}")
+        # No `expert` key: the task's own name; `expert: null`: no map (a task no expert was trained for).
+        # `apply_chat_template` null: the pool's setting.
+        parsed[str(name)] = {"metric": spec.get("metric"), "expert": spec.get("expert", str(name)),
+                             "apply_chat_template": chat}
     return parsed
 
 
@@ -70,15 +76,17 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
     """Each task through lm-eval's ``simple_evaluate`` on the model in memory.
 
     Args:
-        tasks: lm-eval task names, or a mapping ``task -> {metric, expert}``: ``metric`` is the key of lm-eval's
-            results that scores the task (``"<metric>,<filter>"``) and enters the ``average``; ``expert`` the pool
-            model whose per-task map a Surgery / ProbSurgery model applies on that task (default: the task's name;
-            ``null``: none, the merged model unchanged, as for a task that no expert was trained for).
+        tasks: lm-eval task names, or a mapping ``task -> {metric, expert, apply_chat_template}``: ``metric`` is the
+            key of lm-eval's results that scores the task (``"<metric>,<filter>"``) and enters the ``average``;
+            ``expert`` the pool model whose per-task map a Surgery / ProbSurgery model applies on that task (default:
+            the task's name; ``null``: none, the merged model unchanged, as for a task that no expert was trained
+            for); ``apply_chat_template`` the task's own setting (default: the pool's).
         include_path: a folder of task YAMLs (local tasks over local files).
         tokenizer: path, hub name or ``_target_`` config; default: the model pool's tokenizer in a FusionBench run
             (a merged model saved without one, read back by ``method.merged_model_path``, has none of its own),
             else the model's ``name_or_path``.
-        apply_chat_template: format prompts with the tokenizer's chat template (few-shot examples as turns).
+        apply_chat_template: format prompts with the tokenizer's chat template (few-shot examples as turns), for
+            every task that does not set its own.
         limit: examples per task (an int, or a fraction); ``None`` for all.
         confirm_run_unsafe_code: run generated code (HumanEval+, MBPP+, code tasks); sets ``HF_ALLOW_CODE_EVAL``.
         output_path: where lm-eval's results go; default ``<log_dir>/lm_eval_results``.
@@ -138,7 +146,14 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
     def _check_task_names(self):
         from lm_eval.tasks import TaskManager
 
-        manager = TaskManager(include_path=self.include_path)
+        from .lm_eval_tasks import TASKS_DIR
+        from .nltk_data import ensure_punkt_tab
+
+        if any(t.startswith("ifeval") for t in self.tasks):
+            ensure_punkt_tab()  # before lm-eval imports IFEval's checkers, which download it otherwise
+
+        # Our Table 4 task files (lm_eval_tasks/) are always indexed; the user's folder after them wins a name clash.
+        manager = TaskManager(include_path=[str(TASKS_DIR)] + ([self.include_path] if self.include_path else []))
         known = set(manager.all_tasks)
         missing = [t for t in self.tasks if t not in known]
         if missing:
@@ -186,11 +201,12 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
             results_dir.mkdir(parents=True, exist_ok=True)
         report: Dict[str, Any] = {}
         for task, spec in self.tasks.items():
+            chat = self.apply_chat_template if spec["apply_chat_template"] is None else spec["apply_chat_template"]
             with active_task(model, spec["expert"]):
                 results = simple_evaluate(
                     model=language_model, tasks=[task], task_manager=self._task_manager,
                     num_fewshot=self.num_fewshot, limit=self.limit, gen_kwargs=self.gen_kwargs,
-                    apply_chat_template=self.apply_chat_template, fewshot_as_multiturn=self.apply_chat_template,
+                    apply_chat_template=chat, fewshot_as_multiturn=chat,
                     confirm_run_unsafe_code=self.confirm_run_unsafe_code, log_samples=self.log_samples,
                     random_seed=self.random_seed, numpy_random_seed=self.random_seed,
                     torch_random_seed=self.random_seed, fewshot_random_seed=self.random_seed,

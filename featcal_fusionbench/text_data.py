@@ -7,11 +7,16 @@ from typing import Optional, Sequence, Union
 
 def prompt_response(rows, prompt: Union[str, Sequence[str]], response: str):
     """A ``datasets.Dataset`` of ``prompt`` / ``response`` strings from ``rows``' fields: ``prompt`` names one field
-    or several, joined by a blank line with empty ones left out (Alpaca's instruction and input)."""
+    or several, joined by a blank line with empty ones left out (Alpaca's instruction and input). The first prompt
+    field and ``response`` are required; the others are optional, read as empty where a dataset lacks them (as
+    MergeBench's code reads Alpaca's ``input`` only where present)."""
     fields = [prompt] if isinstance(prompt, str) else list(prompt)
-    missing = [f for f in (*fields, response) if f not in rows.column_names]
+    if not fields:
+        raise ValueError("prompt names no field")
+    missing = [f for f in (fields[0], response) if f not in rows.column_names]
     if missing:
         raise ValueError(f"the calibration dataset has no field(s) {missing}; it has {rows.column_names}")
+    fields = [f for f in fields if f in rows.column_names]
 
     def convert(row):
         parts = [str(row[f]).strip() for f in fields if row[f] is not None and str(row[f]).strip()]

@@ -180,3 +180,15 @@ def test_a_family_option_no_family_knows_fails_at_construction_and_one_the_model
         make(upstream=spy, family_options={"last_block_patch_token_weight": -1}).run(load_pool(toy_world))
     assert not spy.ran
 
+
+
+def test_a_bad_calibration_dataset_fails_before_any_model_is_loaded(toy_world, tmp_path, monkeypatch):
+    """A field missing from a calibration dataset is named before the base, the experts or the merge are loaded."""
+    pool = load_pool(toy_world)
+    loaded = []
+    monkeypatch.setattr(type(pool), "load_model", lambda self, *a, **k: loaded.append(a) or 1 / 0)
+    bad = {"_target_": "featcal_fusionbench.text_data.prompt_response",
+           "rows": {"_target_": "datasets.Dataset.from_dict", "mapping": {"instruction": ["a"]}},
+           "prompt": "instruction", "response": "output"}
+    _expect_early_failure(pool, r"no field\(s\) \['output'\]", tmp_path, calibration_datasets={"toy_1": bad})
+    assert loaded == []

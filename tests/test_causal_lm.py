@@ -340,6 +340,21 @@ def test_text_examples_are_encoded_with_the_response_marked(template):
     assert cut["input_ids"] == ids[:3] and cut["response_mask"] == [0, 0, 0]
 
 
+def test_the_alpaca_text_format_lays_the_prompt_out_in_alpacas_template_even_with_a_chat_template():
+    from featcal_fusionbench.families.causal_lm import CausalLMFamily, tokenize_prompt_response
+
+    tokenizer = byte_tokenizer(CHAT)
+    row = tokenize_prompt_response(tokenizer, "2+2?", "4", max_length=512, text_format="alpaca")
+    ids, response = row["input_ids"], row["response_mask"]
+    prompt = tokenizer.decode([i for i, r in zip(ids, response) if not r])
+    assert prompt == ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                      "the request.\n\n### Instruction:\n2+2?\n\n### Response:\n</s>")
+    assert tokenizer.decode([i for i, r in zip(ids, response) if r]) == "4</s>"
+    assert CausalLMFamily().option_values["text_format"] == "chat_template"
+    with pytest.raises(ValueError, match="text_format must be one of"):
+        CausalLMFamily(text_format="vicuna")
+
+
 def test_text_datasets_are_batched_through_the_pools_tokenizer_and_bad_columns_are_named():
     from datasets import Dataset
 
@@ -372,6 +387,11 @@ def test_fields_of_any_dataset_become_prompt_and_response():
     assert pairs[0] == {"prompt": "Add\n\n1 and 2", "response": "3"} and pairs[1]["prompt"] == "Sort"
     with pytest.raises(ValueError, match=r"no field\(s\) \['query'\]"):
         prompt_response(rows, "query", "output")
+    # Alpaca's `input` is optional (MergeBench reads it only where present); the first field and the response are not
+    no_input = Dataset.from_dict({"instruction": ["Add 1 and 2"], "output": ["3"]})
+    assert prompt_response(no_input, ["instruction", "input"], "output")[0] == {"prompt": "Add 1 and 2", "response": "3"}
+    with pytest.raises(ValueError, match=r"no field\(s\) \['output'\]"):
+        prompt_response(no_input.rename_column("output", "answer"), ["instruction", "input"], "output")
 
 
 def test_an_expert_with_a_larger_vocabulary_is_tolerated_and_another_shape_is_not():

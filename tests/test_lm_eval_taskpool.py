@@ -80,8 +80,12 @@ def test_a_merged_model_saved_without_a_tokenizer_is_scored_with_the_model_pools
 
 
 def test_tasks_are_parsed_and_bad_ones_named():
-    assert parse_tasks(["a", "b"]) == {"a": {"metric": None, "expert": "a"}, "b": {"metric": None, "expert": "b"}}
-    assert parse_tasks({"a": {"metric": "acc,none", "expert": None}}) == {"a": {"metric": "acc,none", "expert": None}}
+    default = {"metric": None, "apply_chat_template": None}
+    assert parse_tasks(["a", "b"]) == {"a": {**default, "expert": "a"}, "b": {**default, "expert": "b"}}
+    assert parse_tasks({"a": {"metric": "acc,none", "expert": None, "apply_chat_template": False}}) == {
+        "a": {"metric": "acc,none", "expert": None, "apply_chat_template": False}}
+    with pytest.raises(ValueError, match="apply_chat_template must be true, false or null"):
+        parse_tasks({"a": {"apply_chat_template": "yes"}})
     with pytest.raises(ValueError, match="unknown key"):
         parse_tasks({"a": {"metrc": "acc,none"}})
     with pytest.raises(ValueError, match="non-empty"):
@@ -126,6 +130,6 @@ def test_table_4s_task_pool_names_lm_eval_tasks_for_the_papers_columns():
     taskpool = instantiate(OmegaConf.load(path))
     assert list(taskpool.tasks) == [c for c in PAPER["4"]["columns"] if c != "average"]
     assert {t: s["expert"] for t, s in taskpool.tasks.items()} == {
-        "hendrycks_math500": "math", "gsm8k_cot": "math", "humaneval_plus": "coding", "mbpp_plus": "coding",
-        "ifeval": "instruction", "arc_challenge": None}
+        "math500_boxed": "math", "gsm8k_cot": "math", "evalplus_humaneval_chat": "coding", "evalplus_mbpp_chat": "coding",
+        "ifeval": "instruction", "arc_challenge_chat": None}
     assert all(s["metric"] for s in taskpool.tasks.values()) and taskpool.confirm_run_unsafe_code

@@ -629,10 +629,10 @@ def test_table_4s_fine_tuned_row_takes_each_column_from_its_domains_expert_and_a
     paper = PAPER["4"]["rows"]["llama3.2-3b/finetuned"]
     (row,) = catalog.select(["4"], ["llama3.2-3b/finetuned"])
     assert {r.id: r.provides for r in row.runs} == {
-        "llama3.2-3b/finetuned/math": ("hendrycks_math500", "gsm8k_cot"),
-        "llama3.2-3b/finetuned/coding": ("humaneval_plus", "mbpp_plus"),
+        "llama3.2-3b/finetuned/math": ("math500_boxed", "gsm8k_cot"),
+        "llama3.2-3b/finetuned/coding": ("evalplus_humaneval_chat", "evalplus_mbpp_chat"),
         "llama3.2-3b/finetuned/instruction": ("ifeval",),
-        "llama3.2-3b/pretrained": ("arc_challenge",),
+        "llama3.2-3b/pretrained": ("arc_challenge_chat",),
     }
     for run in row.runs:
         write_result(catalog, run, lm_eval_report({c: paper[c] for c in run.provides}))

@@ -35,8 +35,8 @@ LABELS = {
     "8-Task L/14": "l14-8", "14-Task B/32": "b32-14", "14-Task L/14": "l14-14", "20-Task B/32": "b32-20",
     "20-Task L/14": "l14-20",
     # Table 4: the lm-eval task that stands for each column (config/taskpool/LMEvalHarnessTaskPool/mergebench_table4.yaml)
-    "MATH-500": "hendrycks_math500", "GSM8K": "gsm8k_cot", "HumanEval+": "humaneval_plus", "MBPP+": "mbpp_plus",
-    "IFEval": "ifeval", "ARC-C": "arc_challenge",
+    "MATH-500": "math500_boxed", "GSM8K": "gsm8k_cot", "HumanEval+": "evalplus_humaneval_chat", "MBPP+": "evalplus_mbpp_chat",
+    "IFEval": "ifeval", "ARC-C": "arc_challenge_chat",
 }
 METHODS = {
     "Pre-trained": "pretrained", "Base": "pretrained", "Fine-tuned (STL)": "finetuned", "Traditional MTL": "mtl",

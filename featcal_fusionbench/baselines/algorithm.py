@@ -149,17 +149,18 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         if not isinstance(modelpool, BaseModelPool):
             modelpool = BaseModelPool(modelpool)
         tasks = self.check_pool(modelpool, self.calibration_split)
+        # The data first: a dataset that is missing a field or too small fails before any model is loaded.
+        with self.profile("load calibration data"):
+            datasets = select_calibration_data(
+                modelpool, tasks, self.num_calibration_examples, self.seed, self.calibration_split,
+                self.calibration_datasets,
+            )
         with self.profile("load models"):
             base = modelpool.load_pretrained_model()
             family = family_for(base, dict(self.family_options or {}))
             family.check_models(modelpool, base)
             site = family.feature_site(modelpool, base)  # a pool that cannot give it fails before the experts
             experts = self.load_experts(modelpool, tasks, base)
-        with self.profile("load calibration data"):
-            datasets = select_calibration_data(
-                modelpool, tasks, self.num_calibration_examples, self.seed, self.calibration_split,
-                self.calibration_datasets,
-            )
         with self.profile("upstream merge"):
             merged, source = self.load_merged(modelpool, base, experts)
         del base

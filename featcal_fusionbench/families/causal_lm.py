@@ -58,6 +58,13 @@ MASK_BUILDERS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal
 COUNTED_TOKENS = "counted-tokens"  # the one token-weight profile: non-padding (or response) tokens
 RESPONSE_ONLY = "response_only"
 MAX_LENGTH = "max_length"
+TEXT_FORMAT = "text_format"
+CHAT_TEMPLATE, ALPACA = "chat_template", "alpaca"
+TEXT_FORMATS = (CHAT_TEMPLATE, ALPACA)
+# Stanford Alpaca's prompt without an input (tatsu-lab/stanford_alpaca, train.py PROMPT_DICT["prompt_no_input"]); an
+# Alpaca `input` arrives joined to the instruction (text_data.prompt_response)
+ALPACA_TEMPLATE = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+                   "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -148,16 +155,22 @@ class CausalLMFamily(ModelFamily):
             the attention mask), e.g. the answers of instruction data; by default every non-padding token
             counts uniformly.
         max_length: tokens kept of an example given as ``prompt`` / ``response`` text (cut at the end).
+        text_format: how ``prompt`` / ``response`` text is laid out: ``chat_template`` (the tokenizer's template, as
+            the chat-template tasks of the evaluation prompt the model; plain text when it has none) or ``alpaca``
+            (Stanford Alpaca's template: the family of formats MergeBench's merging code and its one published expert
+            recipe, axolotl's ``gpteacher``, use; docs/families/causal_lm.md).
     """
 
     name = "causal_lm"
-    options = {RESPONSE_ONLY: False, MAX_LENGTH: 1024}
+    options = {RESPONSE_ONLY: False, MAX_LENGTH: 1024, TEXT_FORMAT: CHAT_TEMPLATE}
 
     def check_option(self, name, value):
         if name == RESPONSE_ONLY and not isinstance(value, bool):
             return f"{RESPONSE_ONLY} must be true or false, got {value!r}"
         if name == MAX_LENGTH and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
             return f"{MAX_LENGTH} must be an integer of at least 2, got {value!r}"
+        if name == TEXT_FORMAT and value not in TEXT_FORMATS:
+            return f"{TEXT_FORMAT} must be one of {TEXT_FORMATS}, got {value!r}"
         return None
 
     @property
@@ -285,9 +298,11 @@ class CausalLMFamily(ModelFamily):
         if text:
             tokenizer = load_tokenizer(modelpool)
             max_length = int(self.option_values[MAX_LENGTH])
+            text_format = self.option_values[TEXT_FORMAT]
 
             def encode(rows):
-                return [tokenize_prompt_response(tokenizer, r["prompt"], r["response"], max_length) for r in rows]
+                return [tokenize_prompt_response(tokenizer, r["prompt"], r["response"], max_length, text_format)
+                        for r in rows]
         else:
             tokenizer, encode = None, list
         pad_id = pad_token_id(modelpool, tokenizer)
@@ -322,11 +337,15 @@ def pad_token_id(modelpool, tokenizer=None) -> int:
     return 0 if pad is None else int(pad)
 
 
-def tokenize_prompt_response(tokenizer, prompt: str, response: str, max_length: int) -> Dict[str, List[int]]:
+def tokenize_prompt_response(tokenizer, prompt: str, response: str, max_length: int,
+                             text_format: str = CHAT_TEMPLATE) -> Dict[str, List[int]]:
     """One example as the model sees it in use: with the tokenizer's chat template (a user turn, then the assistant's
-    answer) when it has one, else the prompt then the response and eos. ``response_mask`` marks the tokens after the
-    prompt (with a template: after the generation prompt that opens the assistant's turn). Cut to ``max_length``."""
-    if getattr(tokenizer, "chat_template", None):
+    answer) when it has one, else the prompt then the response and eos; ``alpaca``: the prompt in Alpaca's template,
+    then the response and eos. ``response_mask`` marks the tokens after the prompt (with a template: after the
+    generation prompt that opens the assistant's turn). Cut to ``max_length``."""
+    if text_format == ALPACA:
+        prompt = ALPACA_TEMPLATE.format(instruction=prompt)
+    if text_format == CHAT_TEMPLATE and getattr(tokenizer, "chat_template", None):
         user = [{"role": "user", "content": prompt}]
         head = list(tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True))
         full = list(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True))

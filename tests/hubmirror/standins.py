@@ -67,12 +67,14 @@ GLUE_VALIDATION_ROWS = 6
 UNLOADED_WEIGHT_FILES = ["tf_model.h5", "flax_model.msgpack"]
 
 
-def build(folder: Path, *, clip: bool = True, flan_t5: bool = True) -> Path:
+def build(folder: Path, *, clip: bool = True, flan_t5: bool = True, llm: bool = True) -> Path:
     folder = Path(folder)
     if clip:
         build_clip(folder)
     if flan_t5:
         build_flan_t5(folder)
+    if llm:
+        build_llm(folder)
     return folder
 
 
@@ -274,6 +276,198 @@ def _glue_config(repo: Path, name: str, columns: List[str], labels: Optional[Lis
         Dataset.from_dict(data, features=features).to_parquet(str(path))
         written[split] = (f"{name}/{path.name}", rows)
     _dataset_card(repo, name, features, written)
+
+
+# ----------------------------------------------------------------------------------------------------------- LLM
+
+LLAMA = "meta-llama/Llama-3.2-3B-Instruct"
+MERGEBENCH_DOMAINS = ("instruction", "math", "coding")
+# Llama 3's special tokens (ids 128000 on in the real vocabulary; here after the stand-in's own tokens)
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                  "<|eot_id|>"]
+# Llama 3's chat layout (header, content, <|eot_id|>); the real template also writes a dated system turn and tools
+LLAMA_CHAT = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>"
+              "\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def build_llm(folder: Path) -> None:
+    """The Table 4 setting: a tiny Llama under ``meta-llama/Llama-3.2-3B-Instruct`` (gated), MergeBench's three
+    experts, MergeBench's ``_val`` calibration sets and the six evaluation datasets, with their real layouts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _llama_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")],
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).eval()
+    repos = {LLAMA: base}
+    for i, domain in enumerate(MERGEBENCH_DOMAINS):
+        generator = torch.Generator().manual_seed(300 + i)
+        expert = LlamaForCausalLM(config)
+        expert.load_state_dict({k: v + 0.02 * torch.randn(v.shape, generator=generator)
+                                for k, v in base.state_dict().items()})
+        repos[f"MergeBench/Llama-3.2-3B-Instruct_{domain}"] = expert
+    for repo_id, model in repos.items():
+        repo = folder / "models" / repo_id
+        # two shards and their index, as the real repositories hold them
+        model.to(torch.bfloat16).save_pretrained(repo, max_shard_size="60KB")
+        tokenizer.save_pretrained(repo)
+        _card(repo)
+    (folder / "gated.json").write_text(json.dumps(sorted(set(_gated(folder)) | {f"models/{LLAMA}"})))
+    _mergebench_val(folder / "datasets" / "MergeBench")
+    _evaluation_datasets(folder / "datasets")
+
+
+def _gated(folder: Path) -> List[str]:
+    path = folder / "gated.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _llama_tokenizer():
+    """A byte-level BPE tokenizer with Llama 3's special tokens, bos added by the post-processor, and the chat
+    layout (the real 128,256-token vocabulary is not to be had offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    corpus = [" ".join(_T5_WORDS), "def return import print for in if else while assert 0 1 2 3 4 5 6 7 8 9",
+              "The best answer is A B C D. Please reason step by step \\boxed{} $ + - * / = ( ) [ ] { } : ,"]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=LLAMA_SPECIALS,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = backend.token_to_id("<|begin_of_text|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                                           special_tokens=[("<|begin_of_text|>", bos)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                        eos_token="<|eot_id|>", model_max_length=131072)
+    tokenizer.chat_template = LLAMA_CHAT
+    return tokenizer
+
+
+def _parquet(path: Path, rows: Dict[str, list], features=None) -> None:
+    from datasets import Dataset
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Dataset.from_dict(rows, features=features).to_parquet(str(path))
+
+
+def _jsonl(path: Path, rows: List[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _mergebench_val(root: Path) -> None:
+    """MergeBench's ``<domain>_val`` sets (split ``train``; fields as MergeBench's merging/taskloader.py reads them).
+    ``instruction_val`` has no ``input`` column here: whether the real one has it is not known, and MergeBench's code
+    reads it only where present."""
+    n = 6
+    sets = {
+        "instruction_val": {"instruction": [f"Write one sentence about the number {k}." for k in range(n)],
+                            "output": [f"The number {k} is small." for k in range(n)]},
+        "math_val": {"query": [f"What is {k} plus {k}?" for k in range(n)],
+                     "response": [f"{k} plus {k} is {2 * k}. The answer is {2 * k}." for k in range(n)]},
+        "coding_val": {"instruction": [f"Write a function that returns {k}." for k in range(n)],
+                       "response": [f"def f():\n    return {k}\n" for k in range(n)]},
+    }
+    for name, rows in sets.items():
+        _parquet(root / name / "data" / "train-00000-of-00001.parquet", rows)
+        _card(root / name)
+
+
+def _evaluation_datasets(root: Path) -> None:
+    from datasets import Features, Sequence, Value
+
+    _jsonl(root / "HuggingFaceH4" / "MATH-500" / "test.jsonl", [
+        {"problem": f"What is ${k} + {k}$?", "solution": f"We add: ${k} + {k} = \\boxed{{{2 * k}}}$.",
+         "answer": str(2 * k), "subject": "Prealgebra", "level": 1, "unique_id": f"test/prealgebra/{k}.json"}
+        for k in range(4)])
+    gsm8k = {"question": [f"Tom has {k} apples and buys {k} more. How many apples does he have?" for k in range(4)],
+             "answer": [f"He has {k} + {k} = <<{k}+{k}={2 * k}>>{2 * k} apples.\n#### {2 * k}" for k in range(4)]}
+    for config in ("main", "socratic"):
+        for split in ("train", "test"):
+            _parquet(root / "openai" / "gsm8k" / config / f"{split}-00000-of-00001.parquet", gsm8k)
+    _dataset_card_configs(root / "openai" / "gsm8k", {c: {s: f"{c}/{s}-*" for s in ("train", "test")}
+                                                       for c in ("main", "socratic")})
+    _parquet(root / "evalplus" / "humanevalplus" / "data" / "test-00000-of-00001-5973903632b82d40.parquet", {
+        "task_id": ["HumanEval/0", "HumanEval/1"],
+        "prompt": [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n' for k in (1, 2)],
+        "canonical_solution": [f"    return x + {k}\n" for k in (1, 2)],
+        "entry_point": ["add_1", "add_2"],
+        "test": [_EVALPLUS_ASSERTION + f"\n\ndef check(candidate):\n    inputs = [[0], [5]]\n    results = [{k}, {5 + k}]\n"
+                 "    for i, (inp, exp) in enumerate(zip(inputs, results)):\n        assertion(candidate(*inp), exp, 0)\n"
+                 for k in (1, 2)]})
+    _dataset_card_configs(root / "evalplus" / "humanevalplus", {"default": {"test": "data/test-*"}})
+    _parquet(root / "evalplus" / "mbppplus" / "data" / "test-00000-of-00001-d5781c9c51e02795.parquet", {
+        "task_id": [2, 3], "code": [f"def twice_{k}(x):\n    return {k} * x\n" for k in (2, 3)],
+        "prompt": [f"Write a function to multiply a number by {k}." for k in (2, 3)],
+        "source_file": ["Benchmark Questions Verification V2.ipynb"] * 2, "test_imports": [[], []],
+        "test_list": [[f"assert twice_{k}(1) == {k}", f"assert twice_{k}(2) == {2 * k}", f"assert twice_{k}(0) == 0"]
+                      for k in (2, 3)],
+        "test": [_EVALPLUS_ASSERTION + f"\n\ninputs = [[1], [4]]\nresults = [{k}, {4 * k}]\n"
+                 "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(candidate(*inp), exp, 0)\n"
+                 for k in (2, 3)]}, Features({
+        "task_id": Value("int64"), "code": Value("string"), "prompt": Value("string"), "source_file": Value("string"),
+        "test_imports": Sequence(Value("string")), "test_list": Sequence(Value("string")), "test": Value("string")}))
+    _dataset_card_configs(root / "evalplus" / "mbppplus", {"default": {"test": "data/test-*"}})
+    _jsonl(root / "google" / "IFEval" / "ifeval_input_data.jsonl", [
+        {"key": 1000 + k, "prompt": f"Write a short note about the number {k}. Do not use any commas.",
+         "instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
+         "kwargs": [{}, {"relation": "at least", "num_words": 3}]} for k in range(3)])
+    arc = {"id": [f"Mercury_{k}" for k in range(4)],
+           "question": [f"Which number is {k}?" for k in range(4)],
+           "choices": [{"text": ["zero", "one", "two", "three"], "label": ["A", "B", "C", "D"]} for _ in range(4)],
+           "answerKey": ["ABCD"[k] for k in range(4)]}
+    arc_features = Features({"id": Value("string"), "question": Value("string"),
+                             "choices": Sequence({"text": Value("string"), "label": Value("string")}),
+                             "answerKey": Value("string")})
+    for split in ("train", "validation", "test"):
+        _parquet(root / "allenai" / "ai2_arc" / "ARC-Challenge" / f"{split}-00000-of-00001.parquet", arc, arc_features)
+    _dataset_card_configs(root / "allenai" / "ai2_arc",
+                          {"ARC-Challenge": {s: f"ARC-Challenge/{s}-*" for s in ("train", "validation", "test")}})
+
+
+# EvalPlus's test helpers (evalplus tools/humaneval/to_original_fmt.py): the tests need numpy
+_EVALPLUS_ASSERTION = """
+import numpy as np
+
+def is_floats(x) -> bool:
+    if isinstance(x, float):
+        return True
+    if isinstance(x, (list, tuple)):
+        return all(isinstance(i, float) for i in x)
+    if isinstance(x, np.ndarray):
+        return x.dtype == np.float64 or x.dtype == np.float32
+    return False
+
+def assertion(out, exp, atol):
+    exact_match = out == exp
+    if atol == 0 and is_floats(exp):
+        atol = 1e-6
+    if not exact_match and atol != 0:
+        np.testing.assert_allclose(out, exp, atol=atol)
+    else:
+        assert exact_match
+"""
+
+
+def _dataset_card_configs(repo: Path, configs: Dict[str, Dict[str, str]]) -> None:
+    """README.md whose YAML header maps each config's splits to its files, as the hub's parquet repositories do."""
+    import yaml
+
+    header = {"configs": [{"config_name": name, "data_files": [{"split": s, "path": p} for s, p in splits.items()]}
+                          for name, splits in configs.items()]}
+    repo.mkdir(parents=True, exist_ok=True)
+    (repo / "README.md").write_text("---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n# Stand-in\n")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ LLM_WORLD_EXPERTS = {"llm_math": "math", "llm_code": "code", "llm_instruction": 
 GLUE = tuple(f"glue-{t}" for t in ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"))
 # Table 4's columns as lm-eval tasks, each with the MergeBench expert of its domain (None: no expert; the paper's
 # fine-tuned row prints the base there), as config/taskpool/LMEvalHarnessTaskPool/mergebench_table4.yaml names them
-MERGEBENCH_EXPERTS = {"hendrycks_math500": "math", "gsm8k_cot": "math", "humaneval_plus": "coding",
-                      "mbpp_plus": "coding", "ifeval": "instruction", "arc_challenge": None}
+MERGEBENCH_EXPERTS = {"math500_boxed": "math", "gsm8k_cot": "math", "evalplus_humaneval_chat": "coding",
+                      "evalplus_mbpp_chat": "coding", "ifeval": "instruction", "arc_challenge_chat": None}
 
 # FusionBench's own upstream merger configs, with the values the paper's recipes use written out.
 UPSTREAM_METHODS = {

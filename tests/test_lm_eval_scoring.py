@@ -1,0 +1,165 @@
+"""Table 4's scorers on replies written the way Instruct models write them (featcal_fusionbench.lm_eval_scoring)."""
+
+import glob
+import os
+import tempfile
+import time
+
+import pytest
+
+from featcal_fusionbench.code_execution import run_program
+from featcal_fusionbench.lm_eval_scoring import (
+    extract_code,
+    humaneval_plus_process_results,
+    last_boxed,
+    math500_process_results,
+    mbpp_entry_point,
+    mbpp_plus_process_results,
+)
+
+# EvalPlus's test form (evalplus tools/humaneval/to_original_fmt.py: numpy, is_floats, assertion, check(candidate))
+_ASSERTION = '''
+import numpy as np
+
+def is_floats(x) -> bool:
+    if isinstance(x, float):
+        return True
+    if isinstance(x, (list, tuple)):
+        return all(isinstance(i, float) for i in x)
+    if isinstance(x, np.ndarray):
+        return x.dtype == np.float64 or x.dtype == np.float32
+    return False
+
+def assertion(out, exp, atol):
+    exact_match = out == exp
+    if atol == 0 and is_floats(exp):
+        atol = 1e-6
+    if not exact_match and atol != 0:
+        np.testing.assert_allclose(out, exp, atol=atol)
+    else:
+        assert exact_match
+'''
+HUMANEVAL_DOC = {
+    "task_id": "HumanEval/0",
+    "prompt": 'def mean_of(numbers: list) -> float:\n    """The mean of a non-empty list.\n    >>> mean_of([1.0, 3.0])\n'
+              '    2.0\n    """\n',
+    "entry_point": "mean_of",
+    "test": _ASSERTION + "\n\ndef check(candidate):\n    inputs = [[[1.0, 3.0]], [[2.0]], [[0.1, 0.2, 0.3]]]\n"
+            "    results = [2.0, 2.0, 0.2]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+            "        assertion(candidate(*inp), exp, 0)\n",
+}
+# EvalPlus's MBPP+ form (tools/mbpp/to_original_fmt.py): module-level code that calls `candidate`
+MBPP_DOC = {
+    "task_id": 2,
+    "prompt": "Write a function to find the shared elements from the given two lists.",
+    "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & set(test_tup2))\n",
+    "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+                  "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+                  "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))"],
+    "test": _ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2), (2, 9)], [(7,), (8,)]]\n"
+            "results = [{4, 5}, {2}, set()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+            "    assertion(set(candidate(*inp)), exp, 0)\n",
+}
+
+
+def humaneval(reply):
+    return humaneval_plus_process_results(HUMANEVAL_DOC, [reply])["pass@1"]
+
+
+def mbpp(reply):
+    return mbpp_plus_process_results(MBPP_DOC, [reply])["pass@1"]
+
+
+# ------------------------------------------------------------------------------------------------------ MATH-500
+
+WORKED = ("We need $x$ with $2x + 1 = 2$. Subtracting 1 gives $2x = 1$, so $x = \\frac{1}{2}$.\n\n"
+          "Therefore, the final answer is: $\\boxed{\\frac{1}{2}}$. I hope it is correct.")
+
+
+@pytest.mark.parametrize("reply, answer, score", [
+    (WORKED, "\\frac{1}{2}", 1),  # nested braces inside the box
+    (WORKED, "\\frac{1}{3}", 0),
+    (WORKED.replace("\\boxed{\\frac{1}{2}}", "\\boxed{\\dfrac{1}{2}}"), "\\frac{1}{2}", 1),  # lm-eval's normalisation
+    ("First try \\boxed{3}; on reflection the answer is \\boxed{4}.", "4", 1),  # the last box counts
+    ("The answer is $4$.", "4", 0),  # no box: not read from dollars
+    ("So the answer is \\boxed{\\frac{1}{2", "\\frac{1}{2}", 0),  # cut off inside the box
+    ("The answer is \\boxed{(3, -2)}.", "(3,-2)", 1),
+])
+def test_math500_reads_the_last_box_of_a_worked_solution(reply, answer, score):
+    assert math500_process_results({"answer": answer}, [reply]) == {"exact_match": score}
+
+
+def test_last_boxed_balances_braces_and_knows_fbox():
+    assert last_boxed("\\boxed{\\sqrt{2}+\\frac{a}{b}} and more") == "\\sqrt{2}+\\frac{a}{b}"
+    assert last_boxed("\\fbox{7}") == "7"
+    assert last_boxed("nothing here") is None
+
+
+# --------------------------------------------------------------------------------------------------- code replies
+
+RIGHT_FUNCTION = "def mean_of(numbers: list) -> float:\n    return sum(numbers) / len(numbers)\n"
+
+
+def test_a_fenced_python_block_is_taken_from_prose():
+    reply = f"Here is the function:\n\n```python\n{RIGHT_FUNCTION}```\n\nIt divides the sum by the count."
+    assert extract_code(reply) == RIGHT_FUNCTION
+    assert extract_code(f"```\n{RIGHT_FUNCTION}```") == RIGHT_FUNCTION  # a block without a language
+    assert extract_code(f"```text\nno\n```\n```python\n{RIGHT_FUNCTION}```") == RIGHT_FUNCTION  # python first
+    assert extract_code(RIGHT_FUNCTION) == RIGHT_FUNCTION  # no block: the reply itself
+    assert extract_code(f"```python\n{RIGHT_FUNCTION}") == RIGHT_FUNCTION  # cut before the closing fence
+
+
+@pytest.mark.parametrize("reply, score", [
+    (f"Sure! Here is a self-contained script:\n```python\n{RIGHT_FUNCTION}```\nThis works for any list.", 1.0),
+    (f"```python\nfrom statistics import fmean\n\n{RIGHT_FUNCTION}\nprint(mean_of([1.0, 3.0]))\n```", 1.0),
+    ("```python\n    return sum(numbers) / len(numbers)\n```", 1.0),  # the body only: completed from the prompt
+    ("```python\ndef mean_of(numbers):\n    return sum(numbers) / (len(numbers) + 1)\n```", 0.0),  # wrong
+    ("The mean is the sum divided by the count.", 0.0),  # prose, no code
+    ("```python\ndef mean_of(numbers):\n    return numbers[0]\n```", 0.0),  # passes the docstring, fails plus inputs
+])
+def test_humaneval_plus_scores_a_chat_reply_with_evalplus_tests(reply, score):
+    assert humaneval(reply) == score
+
+
+@pytest.mark.parametrize("reply, score", [
+    ("```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```", 1.0),
+    ("Here you go:\n```python\ndef similar_elements(a, b):\n    return tuple(x for x in a if x in b)\n```", 1.0),
+    ("```python\ndef similar_elements(a, b):\n    return tuple(set(a) | set(b))\n```", 0.0),
+    ("```python\ndef shared(a, b):\n    return tuple(set(a) & set(b))\n```", 0.0),  # another name: not the tested one
+])
+def test_mbpp_plus_scores_a_chat_reply_with_evalplus_tests(reply, score):
+    assert mbpp(reply) == score
+
+
+def test_mbpp_plus_tests_the_function_its_first_assert_calls():
+    assert mbpp_entry_point(MBPP_DOC) == "similar_elements"  # not `set`, the wrapper around the call
+
+
+def test_a_looping_program_is_stopped_and_scores_zero():
+    started = time.monotonic()
+    result = run_program("while True:\n    pass\n", timeout_s=2)
+    assert result.status == "timeout" and not result.passed
+    assert time.monotonic() - started < 10
+    spawner = "import os\nwhile True:\n    pass\n"
+    assert not run_program(spawner, timeout_s=1).passed
+
+
+def test_a_file_writing_program_is_refused_and_leaves_nothing(tmp_path):
+    target = tmp_path / "written.txt"
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "*")))
+    for program in (f"open({str(target)!r}, 'w').write('x')\n",
+                    "open('local.txt', 'w').write('x')\n",
+                    f"import os\nos.makedirs({str(tmp_path / 'made')!r})\n",
+                    f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n",
+                    "import subprocess\nsubprocess.run(['touch', 'x'])\n"):
+        result = run_program(program, timeout_s=10)
+        assert result.status == "failed" and "sandbox refuses" in result.output, (program, result)
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing removed
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "*"))) <= before  # its own folder is gone
+
+
+def test_a_reply_that_writes_files_scores_zero_and_leaves_nothing(tmp_path):
+    target = tmp_path / "out.txt"
+    reply = f"```python\nopen({str(target)!r}, 'w').write('x')\n{RIGHT_FUNCTION}```"
+    assert humaneval(reply) == 0.0
+    assert not target.exists()
