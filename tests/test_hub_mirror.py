@@ -1,9 +1,11 @@
 """The README's paper commands, as typed, against a hub of our own on 127.0.0.1 (tests/hubmirror).
 
-Each command runs through the real ``fusion_bench`` CLI in a process of its own, online: ``HF_ENDPOINT`` names the
-mirror, the offline flags are unset, and a fresh ``HF_HOME`` makes each run a first run. Only tiny budgets are
-appended (calibration examples, steps, iterations, loader workers). Traffic stays on the loopback: proxies for any
-other address point at a closed loopback port, and telemetry is off.
+CLIP TA8 (both pool names), Surgery and ProbSurgery after Task Arithmetic, FeatCal after WUDI, FLAN-T5-base GLUE,
+OpenCLIP and Table 4's Llama-3.2-3B-Instruct (gated base) each run through the real ``fusion_bench`` CLI in a process
+of its own, online: ``HF_ENDPOINT`` names the mirror, the offline flags are unset, and a fresh ``HF_HOME`` (no stored
+token) makes each run a first run. Only tiny budgets are appended (calibration examples, steps, iterations, loader
+workers, examples per task and generated tokens). Traffic stays on the loopback: proxies for any other address point
+at a closed loopback port, and telemetry is off.
 """
 
 from __future__ import annotations
@@ -41,23 +43,25 @@ def hub(hub_folder):
         yield mirror
 
 
-def hub_env(hub: HubMirror, home: Path) -> dict:
+def hub_env(hub: HubMirror, home: Path, token: str = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, so a request for any other host fails at once
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(home / "hf"), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_IMPLICIT_TOKEN="1", HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead,
+               HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead,
                https_proxy=dead, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    if token is not None:
+        env["HF_TOKEN"] = token
     return env
 
 
-def fusion_bench(hub: HubMirror, tmp_path: Path, command: str, *appended: str, ok: bool = True) -> dict:
+def fusion_bench(hub: HubMirror, tmp_path: Path, command: str, *appended: str, ok: bool = True, token=None) -> dict:
     """Run ``command`` (as the README writes it, ``fusion_bench`` first) with ``appended`` arguments in ``tmp_path``;
     return its program report, or the process when ``ok`` is False."""
     args = command.split()
     assert args[0] == "fusion_bench"
-    run = subprocess.run([FUSION_BENCH, *args[1:], *appended], cwd=tmp_path, env=hub_env(hub, tmp_path),
+    run = subprocess.run([FUSION_BENCH, *args[1:], *appended], cwd=tmp_path, env=hub_env(hub, tmp_path, token),
                          capture_output=True, text=True, timeout=900)
     if not ok:
         return run
@@ -228,4 +232,39 @@ def test_a_well_formed_id_that_does_not_exist_says_so_before_any_download(hub, t
                        + " ".join(TA8_POOLS), ok=False)
     assert ("method.merged_model_path: 'someone/no-such-merge' is neither a local path nor a model on the Hugging "
             "Face hub") in " ".join(run.stderr.split()), run.stderr[-3000:]
+    assert not [r for r in hub.log[since:] if r.method == "GET" and "/resolve/" in r.path]
+
+
+TABLE4 = ("fusion_bench method=featcal/mergebench_llama3.2_3b_ta "
+          "modelpool=CausalLMPool/mergebench_table4/Llama-3.2-3B-Instruct taskpool=LMEvalHarnessTaskPool/mergebench_table4")
+TABLE4_TASKS = ["math500_boxed", "gsm8k_cot", "evalplus_humaneval_chat", "evalplus_mbpp_chat", "ifeval",
+                "arc_challenge_chat"]
+TINY_LLM = ["method.num_calibration_examples=2", "taskpool.limit=2", "+taskpool.gen_kwargs={max_gen_toks:16}"]
+
+
+def test_table4_readme_command_with_a_token(hub, tmp_path):
+    """The gated base with an accepted token, MergeBench's experts and calibration sets, and the six columns scored
+    by their protocols (our task files and lm-eval's), generated code run in the sandbox."""
+    since = len(hub.log)
+    report = fusion_bench(hub, tmp_path, TABLE4, *TINY_LLM, token=TOKEN)
+    assert list(report)[:6] == TABLE4_TASKS
+    for task in TABLE4_TASKS:
+        assert 0.0 <= report[task]["score"] <= 1.0 and report[task]["sample_len"] == 2.0
+    assert 0.0 <= report["average"]["score"] <= 1.0
+    fetched = served(hub, since)
+    datasets = {"HuggingFaceH4/MATH-500", "openai/gsm8k", "evalplus/humanevalplus", "evalplus/mbppplus",
+                "google/IFEval", "allenai/ai2_arc", "MergeBench/instruction_val", "MergeBench/math_val",
+                "MergeBench/coding_val"}
+    assert {f"datasets/{d}" for d in datasets} <= fetched, sorted(fetched)
+    assert {"meta-llama/Llama-3.2-3B-Instruct"} | {f"MergeBench/Llama-3.2-3B-Instruct_{d}"
+                                                   for d in ("instruction", "math", "coding")} <= fetched
+
+
+def test_table4_without_a_token_names_the_gated_base_before_any_download(hub, tmp_path):
+    since = len(hub.log)
+    run = fusion_bench(hub, tmp_path, TABLE4, *TINY_LLM, ok=False)
+    message = " ".join(run.stderr.split())
+    assert ("modelpool.models._pretrained_: 'meta-llama/Llama-3.2-3B-Instruct' is a gated model on the Hugging Face "
+            "hub") in message, run.stderr[-3000:]
+    assert "huggingface-cli login" in message
     assert not [r for r in hub.log[since:] if r.method == "GET" and "/resolve/" in r.path]

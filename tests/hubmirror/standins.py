@@ -381,7 +381,7 @@ def _mergebench_val(root: Path) -> None:
     }
     for name, rows in sets.items():
         _parquet(root / name / "data" / "train-00000-of-00001.parquet", rows)
-        _card(root / name)
+        _dataset_card_configs(root / name, {"default": {"train": "data/train-*"}})
 
 
 def _evaluation_datasets(root: Path) -> None:
