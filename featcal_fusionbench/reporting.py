@@ -91,10 +91,12 @@ def write_results(out: Path, results: Dict, markdown: str) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (1, 2):
-        print("usage: python -m featcal_fusionbench.reporting PROGRAM_REPORT_JSON [SURGERY_PROGRAM_REPORT_JSON]\n"
+    if len(argv) not in (1, 2, 3):
+        print("usage: python -m featcal_fusionbench.reporting PROGRAM_REPORT_JSON [SURGERY_PROGRAM_REPORT_JSON "
+              "[AUTO_SELECT_PROGRAM_REPORT_JSON]]\n"
               "  one report (FeatCal with method.return_upstream=true): upstream and FeatCal side by side;\n"
-              "  and a second one (a Surgery run on the same pools): TA, TA + FeatCal and TA + Surgery as rows",
+              "  and a second one (a Surgery run on the same pools): TA, TA + FeatCal and TA + Surgery as rows;\n"
+              "  and a third one (FeatCal with method.auto_select): its row after TA + FeatCal",
               file=sys.stderr)
         return 2
     report = json.loads(Path(argv[0]).read_text())
@@ -105,16 +107,28 @@ def main(argv=None) -> int:
             print(f"\nFeatCal calibration time: {seconds:.2f} s")
         return 0
     _require_sections(report, ("upstream", "featcal"), "the first report")
-    surgery = json.loads(Path(argv[1]).read_text())
-    surgery = surgery.get("surgery", surgery)  # with method.return_upstream=true Surgery's model is under "surgery"
-    print(method_rows_table([("TA", report["upstream"]), ("TA + FeatCal", report["featcal"]), ("TA + Surgery", surgery)]))
+    surgery = _model_section(json.loads(Path(argv[1]).read_text()), "surgery")
+    rows = [("TA", report["upstream"]), ("TA + FeatCal", report["featcal"])]
     times = [] if seconds is None else [f"FeatCal {seconds:.1f} s"]
+    if len(argv) == 3:
+        auto = json.loads(Path(argv[2]).read_text())
+        rows.append(("TA + FeatCal, label-free (auto_select)", _model_section(auto, "featcal")))
+        auto_seconds = auto.get("featcal_calibration", {}).get("seconds")
+        if auto_seconds is not None:
+            times.append(f"FeatCal with auto_select {auto_seconds:.1f} s")
+    rows.append(("TA + Surgery", surgery))
+    print(method_rows_table(rows))
     surgery_log = Path(argv[1]).parent / "surgery_report.json"
     if surgery_log.is_file():
         times.append(f"Surgery {json.loads(surgery_log.read_text())['seconds']:.1f} s")
     if times:
         print(f"\ncalibration time: {', '.join(times)}")
     return 0
+
+
+def _model_section(report: Dict, name: str) -> Dict:
+    """The evaluated model's section: under ``name`` when the run also evaluated its upstream, else the report."""
+    return report.get(name, report)
 
 
 if __name__ == "__main__":

@@ -16,29 +16,9 @@ from featcal_fusionbench.lm_eval_scoring import (
     mbpp_entry_point,
     mbpp_plus_process_results,
 )
+# EvalPlus's test helpers (evalplus tools/humaneval/to_original_fmt.py), as the mirror's stand-ins hold them
+from hubmirror.standins import EVALPLUS_ASSERTION as _ASSERTION
 
-# EvalPlus's test form (evalplus tools/humaneval/to_original_fmt.py: numpy, is_floats, assertion, check(candidate))
-_ASSERTION = '''
-import numpy as np
-
-def is_floats(x) -> bool:
-    if isinstance(x, float):
-        return True
-    if isinstance(x, (list, tuple)):
-        return all(isinstance(i, float) for i in x)
-    if isinstance(x, np.ndarray):
-        return x.dtype == np.float64 or x.dtype == np.float32
-    return False
-
-def assertion(out, exp, atol):
-    exact_match = out == exp
-    if atol == 0 and is_floats(exp):
-        atol = 1e-6
-    if not exact_match and atol != 0:
-        np.testing.assert_allclose(out, exp, atol=atol)
-    else:
-        assert exact_match
-'''
 HUMANEVAL_DOC = {
     "task_id": "HumanEval/0",
     "prompt": 'def mean_of(numbers: list) -> float:\n    """The mean of a non-empty list.\n    >>> mean_of([1.0, 3.0])\n'

@@ -111,3 +111,12 @@ def test_two_reports_print_ta_featcal_and_surgery_as_rows(tmp_path, capsys):
     assert "| TA + FeatCal | 75.0 | 70.0 | 72.5 |" in out
     assert "| TA + Surgery | 80.0 | 90.0 | 85.0 |" in out
     assert "FeatCal 1.5 s, Surgery 12.2 s" in out
+    auto = {"model_info": {}, "a": {"accuracy": 0.85}, "b": {"accuracy": 0.75}, "average": {"accuracy": 0.8},
+            "featcal_calibration": {"seconds": 4.0}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "program_report.json").write_text(json.dumps(auto))
+    paths = [str(tmp_path / d / "program_report.json") for d in ("f", "s", "a")]
+    assert reporting.main(paths) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| TA")]
+    assert rows == ["| TA | 50.0 | 70.0 | 60.0 |", "| TA + FeatCal | 75.0 | 70.0 | 72.5 |",
+                    "| TA + FeatCal, label-free (auto_select) | 85.0 | 75.0 | 80.0 |", "| TA + Surgery | 80.0 | 90.0 | 85.0 |"]

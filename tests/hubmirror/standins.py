@@ -403,7 +403,7 @@ def _evaluation_datasets(root: Path) -> None:
         "prompt": [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n' for k in (1, 2)],
         "canonical_solution": [f"    return x + {k}\n" for k in (1, 2)],
         "entry_point": ["add_1", "add_2"],
-        "test": [_EVALPLUS_ASSERTION + f"\n\ndef check(candidate):\n    inputs = [[0], [5]]\n    results = [{k}, {5 + k}]\n"
+        "test": [EVALPLUS_ASSERTION + f"\n\ndef check(candidate):\n    inputs = [[0], [5]]\n    results = [{k}, {5 + k}]\n"
                  "    for i, (inp, exp) in enumerate(zip(inputs, results)):\n        assertion(candidate(*inp), exp, 0)\n"
                  for k in (1, 2)]})
     _dataset_card_configs(root / "evalplus" / "humanevalplus", {"default": {"test": "data/test-*"}})
@@ -413,7 +413,7 @@ def _evaluation_datasets(root: Path) -> None:
         "source_file": ["Benchmark Questions Verification V2.ipynb"] * 2, "test_imports": [[], []],
         "test_list": [[f"assert twice_{k}(1) == {k}", f"assert twice_{k}(2) == {2 * k}", f"assert twice_{k}(0) == 0"]
                       for k in (2, 3)],
-        "test": [_EVALPLUS_ASSERTION + f"\n\ninputs = [[1], [4]]\nresults = [{k}, {4 * k}]\n"
+        "test": [EVALPLUS_ASSERTION + f"\n\ninputs = [[1], [4]]\nresults = [{k}, {4 * k}]\n"
                  "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(candidate(*inp), exp, 0)\n"
                  for k in (2, 3)]}, Features({
         "task_id": Value("int64"), "code": Value("string"), "prompt": Value("string"), "source_file": Value("string"),
@@ -437,7 +437,7 @@ def _evaluation_datasets(root: Path) -> None:
 
 
 # EvalPlus's test helpers (evalplus tools/humaneval/to_original_fmt.py): the tests need numpy
-_EVALPLUS_ASSERTION = """
+EVALPLUS_ASSERTION = """
 import numpy as np
 
 def is_floats(x) -> bool:
