@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Set, Tuple
 
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
@@ -23,8 +23,10 @@ from .glue import GLUE_HUB_ID
 
 log = logging.getLogger(__name__)
 
-# Our loaders that read a fixed hub dataset (their configs name no id)
+# Our loaders that read a fixed hub dataset (their configs name no id), and the loaders whose `path` (or first
+# positional argument) is a hub dataset id
 _FIXED_DATASETS = {"featcal_fusionbench.glue.load_glue_dataset": GLUE_HUB_ID}
+_PATH_LOADERS = ("datasets.load_dataset", "featcal_fusionbench.text_data.load_prompt_response")
 _HUB_PREFIXES = ("hf://", "huggingface://")
 
 
@@ -53,8 +55,13 @@ def check_path_option(option: str, value: Optional[str]) -> None:
 
 
 def _plain(config: Any) -> Any:
+    """A config as plain values; None when it cannot be resolved on its own (an interpolation into its parent):
+    the check then leaves it to the loader."""
     if isinstance(config, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(config, resolve=True)
+        try:
+            return OmegaConf.to_container(config, resolve=True)
+        except Exception:  # omegaconf's resolution errors have no common base short of Exception
+            return None
     return config
 
 
@@ -65,7 +72,7 @@ def _dataset_id(config: Any) -> Optional[str]:
     target = config.get("_target_")
     if target in _FIXED_DATASETS:
         return _FIXED_DATASETS[target]
-    if target == "datasets.load_dataset":
+    if target in _PATH_LOADERS:
         args = config.get("_args_") or []
         return hub_id(config.get("path", args[0] if args else None))
     return None
@@ -104,11 +111,11 @@ def check_hub_access(sources) -> None:
     if constants.HF_HUB_OFFLINE:
         return
     api = HfApi()
-    seen: Dict[Tuple[str, str], str] = {}
+    seen: Set[Tuple[str, str]] = set()
     for option, repo_id, repo_type in sources:
         if (repo_id, repo_type) in seen:
             continue
-        seen[(repo_id, repo_type)] = option
+        seen.add((repo_id, repo_type))
         page = f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
         try:
             api.repo_info(repo_id, repo_type=repo_type)

@@ -268,3 +268,25 @@ def test_table4_without_a_token_names_the_gated_base_before_any_download(hub, tm
             "hub") in message, run.stderr[-3000:]
     assert "huggingface-cli login" in message
     assert not [r for r in hub.log[since:] if r.method == "GET" and "/resolve/" in r.path]
+
+
+def test_the_sources_checked_are_every_hub_id_a_run_names():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from featcal_fusionbench.hub_access import pool_sources
+
+    config = Path(__file__).resolve().parents[1] / "config"
+    calibration = OmegaConf.load(config / "calibration_datasets" / "mergebench.yaml")
+    pool = OmegaConf.load(config / "modelpool" / "CausalLMPool" / "mergebench_table4" / "Llama-3.2-3B-Instruct.yaml")
+    modelpool = SimpleNamespace(_models=pool.models, _tokenizer=pool.tokenizer, _train_datasets=OmegaConf.create({
+        "local": {"_target_": "datasets.load_from_disk", "dataset_path": "/somewhere"},
+        "svhn": {"_target_": "datasets.load_dataset", "_args_": ["ufldl-stanford/svhn", "cropped_digits"]},
+        "relative": {"_target_": "datasets.load_dataset", "path": "${...nowhere}"}}))  # left to the loader
+    sources = list(pool_sources(modelpool, calibration))
+    assert ("modelpool.models._pretrained_", "meta-llama/Llama-3.2-3B-Instruct", "model") in sources
+    assert ("modelpool.tokenizer", "meta-llama/Llama-3.2-3B-Instruct", "model") in sources
+    assert ("modelpool.train_datasets.svhn", "ufldl-stanford/svhn", "dataset") in sources
+    assert ("method.calibration_datasets.math", "MergeBench/math_val", "dataset") in sources
+    assert not [s for s in sources if s[0].endswith((".local", ".relative"))]
