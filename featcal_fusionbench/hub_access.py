@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Iterator, List, Optional, Set, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Set, Tuple
 
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
@@ -85,8 +85,10 @@ def _model_id(config: Any) -> Optional[str]:
     return hub_id(config)
 
 
-def pool_sources(modelpool, calibration_datasets: Optional[Mapping] = None) -> Iterator[Tuple[str, str, str]]:
-    """(option, hub id, repo type) for every hub repository the pool and the calibration data name."""
+def pool_sources(modelpool, calibration_datasets: Optional[Mapping] = None,
+                 tasks: Optional[Sequence[str]] = None) -> Iterator[Tuple[str, str, str]]:
+    """(option, hub id, repo type) for every hub repository the pool names, and the calibration data of ``tasks``
+    (default: every entry; a config may list datasets for experts the pool does not hold)."""
     for name, config in (getattr(modelpool, "_models", None) or {}).items():
         repo_id = _model_id(config)
         if repo_id:
@@ -101,6 +103,8 @@ def pool_sources(modelpool, calibration_datasets: Optional[Mapping] = None) -> I
             if repo_id:
                 yield f"modelpool.{split}_datasets.{name}", repo_id, "dataset"
     for name, config in (calibration_datasets or {}).items():
+        if tasks is not None and name not in tasks:
+            continue
         repo_id = _dataset_id(config)
         if repo_id:
             yield f"method.calibration_datasets.{name}", repo_id, "dataset"

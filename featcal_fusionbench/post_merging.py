@@ -49,7 +49,7 @@ class PostMergingMixin:
         calibration = getattr(self, "calibration_datasets", None)
         merged_id = hub_id(self.merged_model_path)
         merged = [("method.merged_model_path", merged_id, "model")] if merged_id else []
-        check_hub_access(itertools.chain(merged, pool_sources(modelpool, calibration)))
+        check_hub_access(itertools.chain(merged, pool_sources(modelpool, calibration, tasks)))
         check_splits(modelpool, tasks, split, calibration)
         fetch_only_loaded_files(modelpool)  # the checks passed: what the pool would snapshot, fetched lean
         return tasks

@@ -284,9 +284,13 @@ def test_the_sources_checked_are_every_hub_id_a_run_names():
         "local": {"_target_": "datasets.load_from_disk", "dataset_path": "/somewhere"},
         "svhn": {"_target_": "datasets.load_dataset", "_args_": ["ufldl-stanford/svhn", "cropped_digits"]},
         "relative": {"_target_": "datasets.load_dataset", "path": "${...nowhere}"}}))  # left to the loader
-    sources = list(pool_sources(modelpool, calibration))
+    sources = list(pool_sources(modelpool, calibration, tasks=["instruction", "math", "coding"]))
     assert ("modelpool.models._pretrained_", "meta-llama/Llama-3.2-3B-Instruct", "model") in sources
     assert ("modelpool.tokenizer", "meta-llama/Llama-3.2-3B-Instruct", "model") in sources
     assert ("modelpool.train_datasets.svhn", "ufldl-stanford/svhn", "dataset") in sources
     assert ("method.calibration_datasets.math", "MergeBench/math_val", "dataset") in sources
     assert not [s for s in sources if s[0].endswith((".local", ".relative"))]
+    # the config also lists multilingual and safety, experts this pool does not hold: not asked for
+    assert not [s for s in sources if s[0].endswith((".multilingual", ".safety"))]
+    assert ("method.calibration_datasets.safety", "MergeBench/safety_val", "dataset") in pool_sources(
+        modelpool, calibration)

@@ -103,9 +103,13 @@ def test_featcal_refuses_a_gelu_pool_of_quickgelu_checkpoints_before_merging(tmp
     torch.save(base.state_dict(), tmp_path / "weights.pt")
     monkeypatch.setattr(pool_module, "ImageEncoder", lambda name: tiny_image_encoder(quick_gelu=False))
     entry = {"model_name": "ViT-B-32", "state_dict_path": str(tmp_path / "weights.pt")}
+    # calibration data are loaded (and checked) before any model: real ones, so that the model check is reached
+    pictures = [Image.fromarray((torch.rand(16, 16, 3) * 255).byte().numpy()) for _ in range(4)]
+    Dataset.from_dict({"image": pictures, "label": [0, 1, 0, 1]}).save_to_disk(str(tmp_path / "data"))
+    data = {"_target_": "datasets.load_from_disk", "dataset_path": str(tmp_path / "data")}
     pool = OpenCLIPVisionModelPool(
         OmegaConf.create({"_pretrained_": entry, "a": entry, "b": entry}),
-        train_datasets=OmegaConf.create({"a": "unused", "b": "unused"}),
+        train_datasets=OmegaConf.create({"a": data, "b": data}),
     )
     upstream = {"_target_": "fusion_bench.method.SimpleAverageAlgorithm"}
     algorithm = FeatCalAlgorithm(upstream=upstream, num_calibration_examples=4)
