@@ -235,7 +235,7 @@ def test_a_well_formed_id_that_does_not_exist_says_so_before_any_download(hub, t
     assert not [r for r in hub.log[since:] if r.method == "GET" and "/resolve/" in r.path]
 
 
-TABLE4 = ("fusion_bench method=featcal/mergebench_llama3.2_3b_ta "
+TABLE4 = ("fusion_bench method=featcal/mergebench_llama3.2_3b_ta method.return_upstream=true "
           "modelpool=CausalLMPool/mergebench_table4/Llama-3.2-3B-Instruct taskpool=LMEvalHarnessTaskPool/mergebench_table4")
 TABLE4_TASKS = ["math500_boxed", "gsm8k_cot", "evalplus_humaneval_chat", "evalplus_mbpp_chat", "ifeval",
                 "arc_challenge_chat"]
@@ -247,10 +247,11 @@ def test_table4_readme_command_with_a_token(hub, tmp_path):
     by their protocols (our task files and lm-eval's), generated code run in the sandbox."""
     since = len(hub.log)
     report = fusion_bench(hub, tmp_path, TABLE4, *TINY_LLM, token=TOKEN)
-    assert list(report)[:6] == TABLE4_TASKS
-    for task in TABLE4_TASKS:
-        assert 0.0 <= report[task]["score"] <= 1.0 and report[task]["sample_len"] == 2.0
-    assert 0.0 <= report["average"]["score"] <= 1.0
+    for model in ("upstream", "featcal"):
+        assert list(report[model])[:6] == TABLE4_TASKS
+        for task in TABLE4_TASKS:
+            assert 0.0 <= report[model][task]["score"] <= 1.0 and report[model][task]["sample_len"] == 2.0
+        assert 0.0 <= report[model]["average"]["score"] <= 1.0
     fetched = served(hub, since)
     datasets = {"HuggingFaceH4/MATH-500", "openai/gsm8k", "evalplus/humanevalplus", "evalplus/mbppplus",
                 "google/IFEval", "allenai/ai2_arc", "MergeBench/instruction_val", "MergeBench/math_val",
