@@ -162,14 +162,15 @@ def fetch_only_loaded_files(modelpool) -> None:
         return
     if getattr(modelpool, "_platform", "hf") not in ("hf", "huggingface"):
         return
-    entries = [(modelpool._models, name) for name in list(modelpool._models)] + [(modelpool, "_processor")]
-    for holder, key in entries:
-        value = holder[key] if holder is modelpool._models else getattr(holder, key, None)
+
+    def snapshot(value) -> Optional[str]:
         repo_id = hub_id(value)
-        if repo_id is None:
-            continue
-        local = snapshot_download(repo_id, allow_patterns=loaded_files(repo_id))
-        if holder is modelpool._models:
-            holder[key] = local
-        else:
-            setattr(holder, key, local)
+        return None if repo_id is None else snapshot_download(repo_id, allow_patterns=loaded_files(repo_id))
+
+    for name in list(modelpool._models):
+        local = snapshot(modelpool._models[name])
+        if local is not None:
+            modelpool._models[name] = local
+    local = snapshot(getattr(modelpool, "_processor", None))
+    if local is not None:
+        modelpool._processor = local
