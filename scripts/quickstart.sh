@@ -26,5 +26,5 @@ echo "log:   $OUT/run.log"
   && ( cd "$OUT/surgery" && "$VENV/bin/fusion_bench" "${WORLD_ARGS[@]}" \
     method=surgery/clip_ta method.num_calibration_examples=$N method.precompute_features=true path.log_dir=. ) >> "$OUT/run.log" 2>&1 \
   || { tail -40 "$OUT/run.log"; exit 1; }
-"$VENV/bin/python" -m featcal_fusionbench.reporting "$OUT/featcal/program_report.json" "$OUT/surgery/program_report.json" \
+"$VENV/bin/python" -m featcal_fusionbench.integration.reporting "$OUT/featcal/program_report.json" "$OUT/surgery/program_report.json" \
   "$OUT/auto/program_report.json"

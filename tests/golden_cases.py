@@ -50,13 +50,13 @@ def stable(report: Any) -> Any:
 
 
 def make_engine(hp, family, search=False, **options):
-    from featcal_fusionbench.engine import FeatCalEngine
+    from featcal_fusionbench.engine.loop import FeatCalEngine
 
     return FeatCalEngine(family, hp, "cpu", progress=False, **options)
 
 
 def calibrate_fixed(family, merged, base, experts, data, examples):
-    from featcal_fusionbench.hparams import FeatCalHParams
+    from featcal_fusionbench.core.hparams import FeatCalHParams
 
     hp = FeatCalHParams(num_calibration_examples=examples, batch_size=4)
     return merged, make_engine(hp, family).run(merged, base, experts, {t: iter(v) for t, v in data.items()})
@@ -65,14 +65,15 @@ def calibrate_fixed(family, merged, base, experts, data, examples):
 def calibrate_selected(family, merged, base, experts, data, examples):
     """The per-block choice (criterion ``objective``) on all batches but the last, held out; then the final
     calibration on every batch with the chosen schedule."""
-    from featcal_fusionbench.autoselect import select_per_block
-    from featcal_fusionbench.hparams import FeatCalHParams
+    from featcal_fusionbench.autoselect.search import select_per_block
+    from featcal_fusionbench.engine.policy import FixedHParams
+    from featcal_fusionbench.core.hparams import FeatCalHParams
 
     hp = FeatCalHParams(num_calibration_examples=examples, batch_size=4)
     fit = {t: iter(v[:-1]) for t, v in data.items()}
     held = {t: iter(v[-1:]) for t, v in data.items()}
     schedule, search = select_per_block(make_engine, family, hp, GRID, merged, base, experts, fit, held)
-    final = make_engine(hp, family, schedule=schedule).run(merged, base, experts, {t: iter(v) for t, v in data.items()})
+    final = make_engine(hp, family, policy=FixedHParams(schedule)).run(merged, base, experts, {t: iter(v) for t, v in data.items()})
     return merged, {"search": search, "final": final}
 
 

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from transformers import CLIPVisionModel
 
 from featcal_fusionbench import FeatCalAlgorithm
-from featcal_fusionbench.algorithm import REPORT_NAME
-from featcal_fusionbench.data import calibration_indices
+from featcal_fusionbench.integration.algorithm import REPORT_NAME
+from featcal_fusionbench.core.sampling import calibration_indices
 from fusion_bench.method import TaskArithmeticAlgorithm
 from fusion_bench.utils import instantiate
 
@@ -187,7 +187,7 @@ def test_a_bad_calibration_dataset_fails_before_any_model_is_loaded(toy_world, t
     pool = load_pool(toy_world)
     loaded = []
     monkeypatch.setattr(type(pool), "load_model", lambda self, *a, **k: loaded.append(a) or 1 / 0)
-    bad = {"_target_": "featcal_fusionbench.text_data.prompt_response",
+    bad = {"_target_": "featcal_fusionbench.integration.text_data.prompt_response",
            "rows": {"_target_": "datasets.Dataset.from_dict", "mapping": {"instruction": ["a"]}},
            "prompt": "instruction", "response": "output"}
     _expect_early_failure(pool, r"no field\(s\) \['output'\]", tmp_path, calibration_datasets={"toy_1": bad})

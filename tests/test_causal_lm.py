@@ -8,8 +8,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from featcal_fusionbench.baselines.modules import LMHeadSurgery
-from featcal_fusionbench.engine import FeatCalEngine
+from featcal_fusionbench.models.task_switch import LMHeadSurgery
+from featcal_fusionbench.engine.loop import FeatCalEngine
 from featcal_fusionbench.families import family_for
 from featcal_fusionbench.families.causal_lm import (
     CausalLMFamily,
@@ -18,7 +18,7 @@ from featcal_fusionbench.families.causal_lm import (
     position_ids_from_mask,
 )
 from featcal_fusionbench.families.sites import RMSNormSite
-from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.core.hparams import FeatCalHParams
 
 from helpers import (
     CHAT, byte_tokenizer, causal_lm_batch, causal_lm_forward, independent_linear_solve, recorded_inputs, tiny_causal_lm,
@@ -379,7 +379,7 @@ def test_text_datasets_are_batched_through_the_pools_tokenizer_and_bad_columns_a
 def test_fields_of_any_dataset_become_prompt_and_response():
     from datasets import Dataset
 
-    from featcal_fusionbench.text_data import prompt_response
+    from featcal_fusionbench.integration.text_data import prompt_response
 
     rows = Dataset.from_dict({"instruction": ["Add", "Sort"], "input": ["1 and 2", ""], "output": ["3", "ok"]})
     pairs = prompt_response(rows, ["instruction", "input"], "output")
@@ -395,7 +395,7 @@ def test_fields_of_any_dataset_become_prompt_and_response():
 
 
 def test_an_expert_with_a_larger_vocabulary_is_tolerated_and_another_shape_is_not():
-    from featcal_fusionbench.post_merging import PostMergingMixin
+    from featcal_fusionbench.integration.post_merging import PostMergingMixin
 
     base = tiny_causal_lm("llama")
     wider = tiny_causal_lm("llama", seed=1, vocab=80)  # MergeBench's experts: more rows than their base
@@ -471,7 +471,7 @@ def test_the_baselines_train_their_maps_on_lm_heads_input_through_the_cli(tiny_l
 def test_a_saved_merged_model_is_loaded_in_the_bases_dtype(tmp_path):
     """`method.merged_model_path` (the reproduction runner's calibrator runs): from_pretrained alone would load a
     bf16 LLM in float32, twice its memory."""
-    from featcal_fusionbench.upstream import load_merged_model
+    from featcal_fusionbench.integration.upstream import load_merged_model
 
     base = tiny_causal_lm("llama").to(torch.bfloat16)
     base.save_pretrained(tmp_path / "merged")

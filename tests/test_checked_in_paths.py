@@ -4,7 +4,7 @@
 import subprocess
 from pathlib import Path
 
-from featcal_fusionbench.reporting import portable
+from featcal_fusionbench.integration.reporting import portable
 
 REPO = Path(__file__).resolve().parents[1]
 

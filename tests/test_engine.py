@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
-from featcal_fusionbench.engine import FeatCalEngine
-from featcal_fusionbench.hparams import FeatCalHParams
-from featcal_fusionbench.moments import NonFiniteError
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.engine.step import BlockStep
+from featcal_fusionbench.core.hparams import FeatCalHParams
+from featcal_fusionbench.core.moments import NonFiniteError
 
 from helpers import (
     block_module_inputs,
@@ -115,22 +116,23 @@ def test_statistics_memory_does_not_grow_with_the_number_of_examples():
 
 
 def test_the_block_solve_keeps_values_in_the_parameters_dtype_and_drops_each_solved_group(monkeypatch):
-    solve = FeatCalEngine._solve_block
+    solve = BlockStep.solve
     solved = []
 
-    def checked(self, plan, base_block, sums, groups, hp, consume=False):
+    def checked(self, sums, hp, consume=False):
         assert consume  # the engine solves each block's sums once
-        kept, _ = solve(self, plan, base_block, copy.deepcopy(sums), groups, hp)
-        updates, methods = solve(self, plan, base_block, sums, groups, hp, consume=True)
+        kept = solve(self, copy.deepcopy(sums), hp).updates
+        solution = solve(self, sums, hp, consume=True)
+        updates = solution.updates
         assert not (sums.gram or sums.mean_cal or sums.target or sums.bias_target)
         assert [(n, a) for n, a, _ in kept] == [(n, a) for n, a, _ in updates]
         for (name, attr, wide), (_, _, value) in zip(kept, updates):
-            assert wide.dtype == torch.float64 and value.dtype == getattr(plan.sites[name], attr).dtype == torch.float32
+            assert wide.dtype == torch.float64 and value.dtype == getattr(self.plan.sites[name], attr).dtype == torch.float32
             assert torch.equal(wide.to(value.dtype), value)
         solved.append(len(updates))
-        return updates, methods
+        return solution
 
-    monkeypatch.setattr(FeatCalEngine, "_solve_block", checked)
+    monkeypatch.setattr(BlockStep, "solve", checked)
     base, experts, merged, data = tiny_world()
     calibrate(merged, base, experts, data, calibrate_layernorm=True)
     assert len(solved) == len(merged.vision_model.encoder.layers) and min(solved) > 0

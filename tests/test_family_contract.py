@@ -18,15 +18,17 @@ import torch
 from omegaconf import OmegaConf
 
 from featcal_fusionbench import ProbSurgeryAlgorithm, SurgeryAlgorithm
-from featcal_fusionbench.engine import FeatCalEngine, on_device, plan_blocks
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.models.residency import on_device
+from featcal_fusionbench.engine.plan import plan_blocks
 from featcal_fusionbench.families import family_class_for, family_for, register_family
 from featcal_fusionbench.families.causal_lm import CausalLMFamily
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
 from featcal_fusionbench.families.openclip_vision import OpenCLIPVisionFamily
 from featcal_fusionbench.families.t5 import T5Family
 from featcal_fusionbench.families.sites import first_tensor
-from featcal_fusionbench.hparams import FeatCalHParams
-from featcal_fusionbench.streams import StreamOptions
+from featcal_fusionbench.core.hparams import FeatCalHParams
+from featcal_fusionbench.engine.streams import StreamOptions
 from fusion_bench.utils import instantiate
 
 from fused_family import FusedAttentionFamily, tiny_fused
@@ -281,7 +283,7 @@ def test_base_and_experts_read_block_by_block_from_their_checkpoints_calibrate_t
     """``lazy_loading``: the base and experts are skeletons that read each block from safetensors when the engine
     uses it and release it after. (The fused test family and OpenCLIP are no transformers models: their
     checkpoints are no safetensors.)"""
-    from featcal_fusionbench.lazy_models import load_lazily
+    from featcal_fusionbench.models.lazy import load_lazily
 
     base, experts, merged, data = lazy_case.world()
     lazy = {}

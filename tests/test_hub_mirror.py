@@ -175,7 +175,7 @@ def write_task_vector_checkpoints(folder: Path) -> None:
     from fusion_bench.models.open_clip import ClassificationHead
     from fusion_bench.tasks.clip_classification import get_classnames_and_templates
 
-    from featcal_fusionbench.openclip_pools import CheckpointImageEncoder
+    from featcal_fusionbench.integration.openclip_pools import CheckpointImageEncoder
 
     folder.mkdir(parents=True)
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def test_a_gated_repository_says_how_to_log_in_before_any_download(hub_folder, t
 def test_the_check_passes_a_gated_repository_with_its_token(hub_folder, monkeypatch):
     from huggingface_hub import constants
 
-    from featcal_fusionbench.hub_access import check_hub_access
+    from featcal_fusionbench.integration.hub_access import check_hub_access
 
     with HubMirror(hub_folder, token=TOKEN, gated={"models/openai/clip-vit-base-patch32"}) as gated:
         monkeypatch.setattr(constants, "ENDPOINT", gated.endpoint)
@@ -276,7 +276,7 @@ def test_the_sources_checked_are_every_hub_id_a_run_names():
 
     from omegaconf import OmegaConf
 
-    from featcal_fusionbench.hub_access import pool_sources
+    from featcal_fusionbench.integration.hub_access import pool_sources
 
     config = Path(__file__).resolve().parents[1] / "config"
     calibration = OmegaConf.load(config / "calibration_datasets" / "mergebench.yaml")

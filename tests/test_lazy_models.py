@@ -4,8 +4,8 @@ import pytest
 import torch
 from fusion_bench.modelpool import CausalLMPool
 
-from featcal_fusionbench.engine import on_device
-from featcal_fusionbench.lazy_models import CheckpointTensors, load_lazily, load_pool_model_lazily
+from featcal_fusionbench.models.residency import on_device
+from featcal_fusionbench.models.lazy import CheckpointTensors, load_lazily, load_pool_model_lazily
 
 from helpers import tiny_causal_lm
 

@@ -1,11 +1,7 @@
 import pytest
 import torch
 
-from featcal_fusionbench.moments import (
-    LinearInputMoments,
-    NormInputMoments,
-    layer_norm_without_affine,
-)
+from featcal_fusionbench.core.moments import LinearInputMoments, NormInputMoments, layer_norm_without_affine
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from featcal_experiments.openclip_convert import hf_to_openclip, openclip_to_hf_state
-from featcal_fusionbench.engine import FeatCalEngine
+from featcal_fusionbench.engine.loop import FeatCalEngine
 from featcal_fusionbench.families import family_for
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
 from featcal_fusionbench.families.openclip_vision import (
@@ -20,9 +20,9 @@ from featcal_fusionbench.families.openclip_vision import (
     activation_mismatch,
     trained_with_quick_gelu,
 )
-from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.core.hparams import FeatCalHParams
 
-import featcal_fusionbench.openclip_pools  # noqa: F401 - FusionBench's OpenCLIP pool imports on Python < 3.12
+import featcal_fusionbench.integration.openclip_pools  # noqa: F401 - FusionBench's OpenCLIP pool imports on Python < 3.12
 from fusion_bench.modelpool import OpenCLIPVisionModelPool  # noqa: E402
 
 from helpers import tiny_clip_vision, tiny_image_encoder, tiny_openclip_world, tiny_world
@@ -197,8 +197,8 @@ def test_the_issue_command_composes_offline_with_our_openclip_pools(name, model,
     assert cfg.method == clip.method  # the same method and upstream as the CLIP config it composes from
     upstream = {"ta": "TaskArithmeticAlgorithm", "simple_average": "SimpleAverageAlgorithm", "wudi": "WUDIMerging"}
     assert cfg.method.upstream._target_.endswith(upstream[name.split("openclip_")[1]])
-    assert cfg.modelpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPPool"
-    assert cfg.taskpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPTaskPool"
+    assert cfg.modelpool._target_ == "featcal_fusionbench.integration.openclip_pools.OpenCLIPPool"
+    assert cfg.taskpool._target_ == "featcal_fusionbench.integration.openclip_pools.OpenCLIPTaskPool"
     ours, fb = (OmegaConf.to_container(c.modelpool, resolve=True) for c in (cfg, theirs))
     # FusionBench's pool with every checkpoint rebuilt under its architecture's name (B-16 / L-14 name the pickles
     # alone in FusionBench's configs: their modules would run under open_clip 3.x's code)

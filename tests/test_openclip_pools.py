@@ -1,4 +1,4 @@
-"""featcal_fusionbench.openclip_pools: FusionBench's OpenCLIP pools importable on Python < 3.12, the encoders built with
+"""featcal_fusionbench.integration.openclip_pools: FusionBench's OpenCLIP pools importable on Python < 3.12, the encoders built with
 the activation their weights were trained with, and Surgery / ProbSurgery applied per task by the task pool.
 
 The pools run on a tiny open_clip architecture registered for the module (``featcal-tiny``, OpenAI-style: its config
@@ -21,10 +21,10 @@ from datasets import Dataset
 from omegaconf import OmegaConf
 from PIL import Image
 
-import featcal_fusionbench.openclip_pools as pools
+import featcal_fusionbench.integration.openclip_pools as pools
 from featcal_fusionbench import FeatCalAlgorithm, ProbSurgeryAlgorithm, SurgeryAlgorithm
 from featcal_fusionbench.baselines import SurgeryModelWrapper
-from featcal_fusionbench.baselines.modules import EncoderOutputSurgery
+from featcal_fusionbench.models.task_switch import EncoderOutputSurgery
 from featcal_fusionbench.families import family_for
 from featcal_fusionbench.families.openclip_vision import OpenCLIPVisionFamily, activation_of
 from fusion_bench.method import TaskArithmeticAlgorithm
@@ -84,9 +84,9 @@ def tiny_pool(tiny_architecture, tmp_path_factory):
             path = root / "data" / task / split
             Dataset.from_dict({"image": pictures(count, 100 * i + count), "label": [k % 3 for k in range(count)]}).save_to_disk(str(path))
             datasets[split][task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(path)}
-    pool = {"_target_": "featcal_fusionbench.openclip_pools.OpenCLIPPool", "_recursive_": False, "models": models,
+    pool = {"_target_": "featcal_fusionbench.integration.openclip_pools.OpenCLIPPool", "_recursive_": False, "models": models,
             "classification_heads": heads, "train_datasets": datasets["train"], "test_datasets": datasets["test"]}
-    taskpool = {"_target_": "featcal_fusionbench.openclip_pools.OpenCLIPTaskPool", "_recursive_": False,
+    taskpool = {"_target_": "featcal_fusionbench.integration.openclip_pools.OpenCLIPTaskPool", "_recursive_": False,
                 "test_datasets": datasets["test"], "classification_heads": heads, "model_name": TINY,
                 "dataloader_kwargs": {"batch_size": 4, "num_workers": 0, "shuffle": False}}
     for name, content in (("modelpool", pool), ("taskpool", taskpool)):
@@ -125,7 +125,7 @@ def test_fusion_benchs_openclip_pools_import_on_this_python_through_the_backport
             failed = str(error)
         assert (failed is not None) == (sys.version_info < (3, 12)), failed
         assert failed is None or "override" in failed, failed
-        import featcal_fusionbench.openclip_pools
+        import featcal_fusionbench.integration.openclip_pools
         from fusion_bench.modelpool import OpenCLIPVisionModelPool
         from fusion_bench.taskpool import OpenCLIPVisionModelTaskPool
         if sys.version_info < (3, 12):

@@ -13,7 +13,12 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.pool_names import PAPER_POOLS, config_text, taskpool_hint, warn_if_nothing_is_evaluated
+from featcal_fusionbench.integration.pool_names import (
+    PAPER_POOLS,
+    config_text,
+    taskpool_hint,
+    warn_if_nothing_is_evaluated,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))

@@ -384,8 +384,8 @@ def check_composed(cfg, run, catalog, upstream_saves):
         assert cfg.taskpool.base_model == f"openai/clip-vit-{arch}"
         assert f"openai/clip-vit-{arch}" in json.dumps(OmegaConf.to_container(cfg.modelpool, resolve=True)["processor"])
     if setting.family == "openclip":  # our OpenCLIP pools: QuickGELU encoders, the task set per dataset
-        assert cfg.modelpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPPool"
-        assert cfg.taskpool._target_ == "featcal_fusionbench.openclip_pools.OpenCLIPTaskPool"
+        assert cfg.modelpool._target_ == "featcal_fusionbench.integration.openclip_pools.OpenCLIPPool"
+        assert cfg.taskpool._target_ == "featcal_fusionbench.integration.openclip_pools.OpenCLIPTaskPool"
         assert list(cfg.taskpool.classification_heads) == list(tasks)
 
 
@@ -443,7 +443,7 @@ def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
     assert f"merged_model_path: {tmp_path.resolve()}/l14-20/adamerging/merged" in outputs[0]
     assert "base_model: openai/clip-vit-large-patch14" in outputs[0]
     assert "_pretrained_: ${.glue-cola}" in outputs[1]
-    assert "lambda_: 3.0" in outputs[2] and "_target_: featcal_fusionbench.lm_eval_taskpool.LMEvalTaskPool" in outputs[2]
+    assert "lambda_: 3.0" in outputs[2] and "_target_: featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool" in outputs[2]
     assert not any(p.name != "outputs" for p in tmp_path.iterdir())  # nothing run, no run folder made
 
 
@@ -742,7 +742,7 @@ def test_rendered_tables_name_the_runs_folder_without_the_machines_absolute_path
 
 
 def test_calibrators_save_their_reports_under_the_name_the_renderer_reads():
-    from featcal_fusionbench.algorithm import REPORT_NAME
+    from featcal_fusionbench.integration.algorithm import REPORT_NAME
     from featcal_fusionbench.baselines.algorithm import ProbSurgeryAlgorithm, SurgeryAlgorithm
 
     names = {"featcal": REPORT_NAME, "surgery": SurgeryAlgorithm.report_name,

@@ -10,13 +10,16 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from featcal_fusionbench import FeatCalAlgorithm
-from featcal_fusionbench.algorithm import REPORT_NAME
-from featcal_fusionbench.autoselect import auto_calibrate
-from featcal_fusionbench.engine import FeatCalEngine, _LinearGroup
+from featcal_fusionbench.integration.algorithm import REPORT_NAME
+from featcal_fusionbench.autoselect.search import auto_calibrate
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.engine.step import LinearGroup
 from featcal_fusionbench.families import LayerNormSite, LinearSite, family_for
-from featcal_fusionbench.hparams import FeatCalHParams
-from featcal_fusionbench.moments import LinearInputMoments, NormInputMoments, layer_norm_without_affine
-from featcal_fusionbench.selection import HeldoutObjective, SelectionOptions, heldout_split
+from featcal_fusionbench.core.hparams import FeatCalHParams
+from featcal_fusionbench.core.moments import LinearInputMoments, NormInputMoments, layer_norm_without_affine
+from featcal_fusionbench.core.objective import HeldoutObjective
+from featcal_fusionbench.autoselect.options import SelectionOptions
+from featcal_fusionbench.core.sampling import heldout_split
 
 from helpers import tiny_causal_lm_world, tiny_world
 from test_algorithm import SpyUpstream, load_pool, make
@@ -55,7 +58,7 @@ def test_the_heldout_linear_objective_equals_the_mean_squared_error_to_the_exper
         moments = LinearInputMoments(d, torch.float64, "cpu", out_dims={"f": m} if projected else None)
         moments.update(x_cal, None if projected else x_exp, None, {"f": y} if projected else None)
         stats = moments.finalize()
-        held.add_linear(0, _LinearGroup(["f"], None), stats, {"f": expert}, hp)
+        held.add_linear(0, LinearGroup(["f"], None), stats, {"f": expert}, hp)
         held.num_tasks += 1
         omega = 1.0 / float(torch.linalg.matrix_norm(x_cal.T @ x_cal / len(x_cal)))
         residual = x_cal @ w.T + b - y

@@ -8,9 +8,9 @@ to ``torch.linalg.lstsq``; the gradient of the objective, by autograd, must vani
 import pytest
 import torch
 
-from featcal_fusionbench import solver
-from featcal_fusionbench.moments import LinearInputMoments
-from featcal_fusionbench.solver import (
+from featcal_fusionbench.core import solver
+from featcal_fusionbench.core.moments import LinearInputMoments
+from featcal_fusionbench.core.solver import (
     anchor,
     solve_bias,
     solve_layernorm_affine,

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from featcal_fusionbench import FeatCalAlgorithm
-from featcal_fusionbench.algorithm import REPORT_NAME
-from featcal_fusionbench.engine import FeatCalEngine, block_reserve_bytes
+from featcal_fusionbench.integration.algorithm import REPORT_NAME
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.engine.plan import block_reserve_bytes
 from featcal_fusionbench.families.causal_lm import CausalLMFamily
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
-from featcal_fusionbench.hparams import FeatCalHParams
-from featcal_fusionbench.streams import StreamOptions, StreamStore, auto_device_budget, parse_bytes, tree_bytes
+from featcal_fusionbench.core.hparams import FeatCalHParams
+from featcal_fusionbench.engine.streams import StreamOptions, StreamStore, auto_device_budget, parse_bytes, tree_bytes
 
 from helpers import tiny_causal_lm_world, tiny_world
 from test_algorithm import load_pool, make

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from featcal_fusionbench.families.t5 import T5Family, trim_padding
-from featcal_fusionbench.engine import FeatCalEngine
-from featcal_fusionbench.hparams import FeatCalHParams
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.core.hparams import FeatCalHParams
 
 from helpers import independent_linear_solve, t5_batch, tiny_t5_world
 
@@ -144,7 +144,7 @@ def test_norms_stay_merged_when_norm_calibration_is_off():
 
 
 def test_an_undefined_spearman_rho_is_named_in_the_average_not_averaged_as_nan():
-    from featcal_fusionbench.text_taskpool import average_report
+    from featcal_fusionbench.integration.text_taskpool import average_report
 
     assert average_report({"glue-cola": 0.5, "glue-stsb": 0.25}) == {"score": 0.375}
     report = average_report({"glue-cola": 0.5, "glue-rte": 0.7, "glue-stsb": float("nan")})

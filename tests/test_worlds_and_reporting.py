@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from featcal_fusionbench import reporting
+from featcal_fusionbench.integration import reporting
 from featcal_experiments.worlds import cli, registry
 
 

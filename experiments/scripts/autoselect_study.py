@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         parser.error(f"--n and --seeds take comma-separated integers: {error}")
     if min(args.n) < 2:
         parser.error("--n: auto_select holds out a part of each task's examples; give at least 2")
-    from featcal_fusionbench.selection import CRITERIA
+    from featcal_fusionbench.autoselect.options import CRITERIA
 
     args.criteria = [c for c in args.criteria.split(",") if c]
     unknown = [c for c in args.criteria if c not in CRITERIA]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from featcal_fusionbench.reporting import machine_line
+from featcal_fusionbench.integration.reporting import machine_line
 
 ARCHS = {
     # CLIPVisionConfig's defaults are ViT-B/32.
@@ -108,8 +108,8 @@ def forward_floor(merged, experts, images, batch_size, device) -> float:
 
 def run_featcal(args, config, base, merged, experts, images, device):
     from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
-    from featcal_fusionbench.engine import FeatCalEngine
-    from featcal_fusionbench.hparams import FeatCalHParams
+    from featcal_fusionbench.engine.loop import FeatCalEngine
+    from featcal_fusionbench.core.hparams import FeatCalHParams
 
     hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size)
     engine = FeatCalEngine(

@@ -137,11 +137,11 @@ def forward_floor(merged, batches, device) -> float:
 def worker(args) -> dict:
     from transformers import LlamaForCausalLM
 
-    from featcal_fusionbench.engine import FeatCalEngine
+    from featcal_fusionbench.engine.loop import FeatCalEngine
     from featcal_fusionbench.families.causal_lm import CausalLMFamily
-    from featcal_fusionbench.hparams import FeatCalHParams
-    from featcal_fusionbench.lazy_models import load_lazily
-    from featcal_fusionbench.streams import StreamOptions
+    from featcal_fusionbench.core.hparams import FeatCalHParams
+    from featcal_fusionbench.models.lazy import load_lazily
+    from featcal_fusionbench.engine.streams import StreamOptions
 
     import psutil
 
@@ -219,7 +219,7 @@ def main():
     if min(args.tasks, args.n, args.seq_len, args.batch_size, 1 if args.layers is None else args.layers) < 1:
         parser.error("--tasks, --n, --seq-len, --batch-size and --layers must be >= 1")
     try:
-        from featcal_fusionbench.streams import StreamOptions
+        from featcal_fusionbench.engine.streams import StreamOptions
 
         StreamOptions(args.stream_device_bytes, args.stream_spill, args.stream_spill_dir)
     except ValueError as err:

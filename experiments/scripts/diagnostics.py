@@ -88,7 +88,7 @@ def features(args) -> None:
 
     from featcal_fusionbench import FeatCalAlgorithm, SurgeryAlgorithm
     from featcal_experiments.cli_runs import write_json_atomic
-    from featcal_fusionbench.data import calibration_indices
+    from featcal_fusionbench.core.sampling import calibration_indices
     from featcal_experiments.diagnostics import (
         FixedUpstream, block_drift, final_feature_cosine, load_report, plot_drift, plot_groups,
     )

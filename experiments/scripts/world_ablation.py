@@ -38,10 +38,10 @@ import torch
 from omegaconf import OmegaConf
 
 from featcal_fusionbench.families import family_for
-from featcal_fusionbench.data import select_calibration_data
-from featcal_fusionbench.engine import FeatCalEngine
-from featcal_fusionbench.hparams import FeatCalHParams
-from featcal_fusionbench.reporting import result_header, write_results
+from featcal_fusionbench.integration.data import select_calibration_data
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.core.hparams import FeatCalHParams
+from featcal_fusionbench.integration.reporting import result_header, write_results
 from featcal_experiments.worlds.clip_world import CLIP8, build_clip_world
 from featcal_experiments.worlds.registry import build_world, world_path
 from featcal_experiments.worlds.task_vectors import moved, scaled_task_vector_sum

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from featcal_fusionbench.reporting import result_header, write_results
+from featcal_fusionbench.integration.reporting import result_header, write_results
 from featcal_experiments.worlds.clip_world import image_features
 from featcal_experiments.worlds.task_vectors import moved, scaled_task_vector_sum
 

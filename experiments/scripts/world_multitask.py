@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featcal_fusionbench.reporting import result_header, write_results
+from featcal_fusionbench.integration.reporting import result_header, write_results
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,10 +23,10 @@ from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..data import SPLITS, calibration_source, select_calibration_data
 from ..families import checked_options, family_for, to_device
-from ..hub_access import check_path_option
-from ..post_merging import PostMergingMixin, peak_memory
+from ..integration.data import SPLITS, calibration_source, select_calibration_data
+from ..integration.hub_access import check_path_option
+from ..integration.post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 
-from ..baselines.modules import LMHeadSurgery
+from ..models.task_switch import LMHeadSurgery
 from . import register_family
 from .base import FeatureSite, ModelFamily, batch_loader
 from .sites import LinearSite, RMSNormSite, Site

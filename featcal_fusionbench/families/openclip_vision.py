@@ -5,11 +5,11 @@ conv1, the class token, the positional embedding and ``ln_pre`` enter the first 
 ``proj`` keep their merged values. In a block, q, k and v are rows of the fused ``attn.in_proj_weight`` (one shared
 input, ``ln_1``'s output) and ``out_proj``'s input exists only inside the functional attention call
 (``MHAOutProjSite`` recomputes it). Surgery's and ProbSurgery's maps act on the encoder's output (``feature_site``);
-they are applied when the task pool names the task (``featcal_fusionbench.openclip_pools.OpenCLIPTaskPool``).
+they are applied when the task pool names the task (``featcal_fusionbench.integration.openclip_pools.OpenCLIPTaskPool``).
 
 open_clip 3.x (3.3.0 checked) builds ``ViT-B-32`` with ``nn.GELU``, while the OpenAI weights and the task-vector checkpoints were
 trained with QuickGELU: ``check_models`` refuses such a pool (see ``activation_mismatch``);
-``featcal_fusionbench.openclip_pools.OpenCLIPPool`` builds the encoders with the right one.
+``featcal_fusionbench.integration.openclip_pools.OpenCLIPPool`` builds the encoders with the right one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..baselines.modules import EncoderOutputSurgery, unit
+from ..models.task_switch import EncoderOutputSurgery, unit
 from . import register_family
 from .base import FeatureSite, ImagesOnly, ModelFamily, batch_loader
 from .clip_vision import LastBlockPatchWeighting
@@ -89,7 +89,7 @@ def activation_mismatch(entry: Any, tower: nn.Module) -> Optional[str]:
         f"trained with {trained} (open_clip {open_clip.__version__} builds the OpenAI architectures with nn.GELU; "
         f"the OpenAI weights and the task-vector checkpoints use QuickGELU). Every feature, the upstream merge's "
         f"and FeatCal's alike, would shift silently. Fix: load the pool with "
-        f"featcal_fusionbench.openclip_pools.OpenCLIPPool (the configs modelpool=OpenCLIPVisionModelPool/"
+        f"featcal_fusionbench.integration.openclip_pools.OpenCLIPPool (the configs modelpool=OpenCLIPVisionModelPool/"
         f"<model>_TA8_quickgelu), which builds each encoder with the activation its weights were trained with "
         f"(FusionBench's ImageEncoder(model_name) has no switch for it)."
     )

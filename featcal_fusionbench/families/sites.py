@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..moments import layer_norm_without_affine, rms_norm_without_scale
+from ..core.moments import layer_norm_without_affine, rms_norm_without_scale
 
 LINEAR = "linear"
 LAYERNORM = "layernorm"

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from transformers import T5ForConditionalGeneration, default_data_collator
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-from ..baselines.modules import LMHeadSurgery
+from ..models.task_switch import LMHeadSurgery
 from . import register_family
 from .base import FeatureSite, ModelFamily, batch_loader
 from .sites import LinearSite, RMSNormSite

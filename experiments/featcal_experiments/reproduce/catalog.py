@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from featcal_fusionbench.pool_names import PAPER_POOLS
+from featcal_fusionbench.integration.pool_names import PAPER_POOLS
 
 from .paper import PAPER
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from featcal_fusionbench.reporting import portable
+from featcal_fusionbench.integration.reporting import portable
 
 from .catalog import TABLES, Catalog, Row
 from .paper import PAPER

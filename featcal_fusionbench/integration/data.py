@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
-import numpy as np
-from torch.utils.data import Subset
-
-
-def calibration_indices(num_available: int, num_examples: int, seed: int, task: str) -> List[int]:
-    """``num_examples`` distinct indices, fixed by (seed, task name) alone.
-
-    Keying on the task name rather than its position keeps a task's examples the
-    same when the pool gains or loses other tasks.
-    """
-    rng = np.random.default_rng([seed, zlib.crc32(task.encode("utf-8"))])
-    return sorted(rng.choice(num_available, size=num_examples, replace=False).tolist())
-
-
-def _subset(dataset, indices: Sequence[int]):
-    if hasattr(dataset, "select"):  # datasets.Dataset: keeps lazy decoding
-        return dataset.select(indices)
-    return Subset(dataset, list(indices))
-
+from ..core.sampling import calibration_indices, subset
 
 SPLITS = ("train", "test")
 
@@ -81,7 +62,7 @@ def select_calibration_data(
                 f"task {task!r} has only {available} {split} examples, fewer than "
                 f"num_calibration_examples={num_examples}"
             )
-        selected[task] = _subset(dataset, calibration_indices(available, num_examples, seed, task))
+        selected[task] = subset(dataset, calibration_indices(available, num_examples, seed, task))
     return selected
 
 
@@ -94,4 +75,4 @@ def shard(dataset, rank: int, world_size: int):
             f"{len(dataset)} calibration examples cannot be shared by {world_size} ranks; "
             "use at least one example per rank"
         )
-    return _subset(dataset, list(range(rank, len(dataset), world_size)))
+    return subset(dataset, list(range(rank, len(dataset), world_size)))

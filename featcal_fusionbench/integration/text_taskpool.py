@@ -3,7 +3,7 @@
 Scores as FusionBench's ``flan-t5_glue_text_generation`` pool does, with FusionBench's own functions:
 ``generate(max_length=10)`` and exact match of the decoded text, or Spearman's rho of ``float()``-parsed
 outputs for regression tasks (STS-B). Three things are added: any task list and dataset (loaded from a
-config, e.g. ``featcal_fusionbench.glue.load_glue_dataset`` or ``datasets.load_from_disk``), the ``average`` of the
+config, e.g. ``featcal_fusionbench.integration.glue.load_glue_dataset`` or ``datasets.load_from_disk``), the ``average`` of the
 per-task scores, and the task switch that per-task post-merging wrappers (Surgery, ProbSurgery) need:
 a model with ``is_surgery_model`` gets ``active_task`` set before each task is evaluated.
 """
@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, default_data_collator
 
-from .baselines.modules import active_task
+from ..models.task_switch import active_task
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Dict, List, Optional
 
-from omegaconf import DictConfig
-
 from fusion_bench.taskpool import CLIPVisionModelTaskPool
 from fusion_bench.tasks.clip_classification import CLIPTemplateFactory
+from omegaconf import DictConfig
 
 DEFAULT_TEMPLATES = ["a photo of a {}."]
 

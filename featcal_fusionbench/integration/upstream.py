@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from omegaconf import DictConfig
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 log = logging.getLogger(__name__)

@@ -32,11 +32,13 @@ from fusion_bench.modelpool.openclip_vision.modelpool import (  # noqa: E402
 )
 from fusion_bench.models.open_clip import ImageEncoder  # noqa: E402
 from fusion_bench.models.open_clip.variables_and_paths import CACHEDIR  # noqa: E402
-from fusion_bench.taskpool.openclip_vision.openclip_taskpool import OpenCLIPVisionModelTaskPool  # noqa: E402
+from fusion_bench.taskpool.openclip_vision.openclip_taskpool import (
+    OpenCLIPVisionModelTaskPool,  # noqa: E402
+)
 from fusion_bench.utils.expr import is_expr_match  # noqa: E402
 
-from .baselines.modules import active_task  # noqa: E402
-from .families.openclip_vision import trained_with_quick_gelu  # noqa: E402
+from ..families.openclip_vision import trained_with_quick_gelu  # noqa: E402
+from ..models.task_switch import active_task  # noqa: E402
 
 __all__ = ["CheckpointImageEncoder", "OpenCLIPPool", "OpenCLIPTaskPool", "build_arguments"]
 

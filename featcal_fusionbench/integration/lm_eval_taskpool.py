@@ -4,7 +4,7 @@ FusionBench's ``LMEvalHarnessTaskPool`` runs every task in one lm-eval call and 
 pool runs lm-eval (``simple_evaluate`` over the model in memory, ``HFLM``) task by task so that
 
 - a per-task wrapper (Surgery, ProbSurgery: ``LMHeadSurgery``) applies the map of the expert named for each task,
-  as the paper evaluates them (``featcal_fusionbench.text_taskpool.active_task``);
+  as the paper evaluates them (``featcal_fusionbench.integration.text_taskpool.active_task``);
 - each task's chosen metric, and their ``average``, land in FusionBench's report next to the method's figures.
 
 lm-eval is the optional extra ``llm`` (``pip install 'featcal-fusionbench[llm]'`` or ``bash scripts/setup.sh
@@ -24,7 +24,7 @@ from fusion_bench.mixins import LightningFabricMixin
 from fusion_bench.taskpool import BaseTaskPool
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .baselines.modules import active_task
+from ..models.task_switch import active_task
 from .text_taskpool import load_tokenizer
 
 log = logging.getLogger(__name__)

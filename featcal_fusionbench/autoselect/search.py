@@ -1,10 +1,11 @@
-"""``method.auto_select``: the model plumbing of the label-free choice (the math and options are in ``selection``).
+"""``method.auto_select``: the search for lambda / rho / alpha without labels, then the final calibration (the
+options and grids are in ``options``, the per-block policy in ``policy``, the math in ``core``).
 
 Every task's calibration examples are split into a fit part and a held-out part (inputs only; no label is read).
 
 - criterion ``objective``: ONE calibration pass over fit + held-out streams. At each block, the fit moments are
   accumulated once and folded once per distinct alpha; every candidate (lambda, rho, alpha) is a closed-form solve
-  on them, scored on the block's held-out moments (``selection.HeldoutObjective``); the best is loaded and the
+  on them, scored on the block's held-out moments (``policy.HeldoutSelection``); the best is loaded and the
   streams advance through it, so the next block chooses on the chosen prefix (greedy, per block).
 - criteria ``drift`` / ``agreement``: one calibration of a copy of the merged model on the fit part per candidate
   (coordinate or full grid), scored on the held-out part's last-block outputs against the experts'. The experts'
@@ -24,23 +25,22 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
-from .data import _subset
-from .drift import DriftMeter
-from .engine import FeatCalEngine, _BlockSums, on_device
-from .families import ModelFamily
-from .hparams import FeatCalHParams
-from .moments import NonFiniteError
-from .selection import (
+from ..core.hparams import FeatCalHParams
+from ..core.meters import AgreementMeter, DriftMeter
+from ..core.moments import NonFiniteError
+from ..core.sampling import heldout_split, subset
+from ..engine.loop import FeatCalEngine
+from ..engine.policy import FixedHParams
+from ..families import ModelFamily
+from ..models.residency import on_device
+from .policy import HeldoutSelection
+from .options import (
     PATCH_WEIGHT,
-    AgreementMeter,
-    Candidate,
-    HeldoutObjective,
     SelectionOptions,
     all_candidates,
     best_of,
     candidate_key,
     coordinate_stages,
-    heldout_split,
     mean_over_tasks,
     stage_candidates,
     with_candidate,
@@ -48,7 +48,7 @@ from .selection import (
 
 log = logging.getLogger(__name__)
 
-#: (hparams, family, search=bool, schedule=..., selector=...) -> an engine configured like the method's own
+#: (hparams, family, search=bool, policy=...) -> an engine configured like the method's own
 EngineFactory = Callable[..., FeatCalEngine]
 
 
@@ -57,7 +57,7 @@ def split_datasets(datasets: Mapping[str, Any], options: SelectionOptions, seed:
     fit, held, sizes = {}, {}, {}
     for task, dataset in datasets.items():
         fit_idx, held_idx = heldout_split(len(dataset), options.heldout_fraction, seed, task)
-        fit[task], held[task] = _subset(dataset, fit_idx), _subset(dataset, held_idx)
+        fit[task], held[task] = subset(dataset, fit_idx), subset(dataset, held_idx)
         sizes[task] = {"fit": len(fit_idx), "heldout": len(held_idx)}
     return fit, held, sizes
 
@@ -65,72 +65,16 @@ def split_datasets(datasets: Mapping[str, Any], options: SelectionOptions, seed:
 # ---- criterion "objective": per-block choice inside one calibration -------------------------------------------
 
 
-class BlockSelector:
-    """The engine's hook (``FeatCalEngine(selector=...)``): chooses each block's (lambda, rho, alpha)."""
-
-    def __init__(self, candidates: List[Candidate]):
-        self.candidates = candidates
-        self.alphas = sorted({c["alpha"] for c in candidates})
-        self.solves = 0
-
-    def select_block(self, engine: FeatCalEngine, plan, block, base_block, expert_blocks, streams, heldout,
-                     num_blocks, before_meters) -> Dict[str, Any]:
-        family, device = engine.family, engine.device
-        hp0 = engine.hparams_at(plan.index)
-        fit_sums = {a: _BlockSums() for a in self.alphas}
-        held = HeldoutObjective()
-        groups = None
-        for task, expert_block in expert_blocks.items():
-            exp_sites = family.sites(expert_block)
-            with on_device([expert_block], device):
-                groups, lin, norms, before_meters[task] = engine._snapshot_task(
-                    plan, block, expert_block, exp_sites, streams[task], num_blocks, groups
-                )
-                _, lin_h, norms_h, _ = engine._snapshot_task(
-                    plan, block, expert_block, exp_sites, heldout[task], num_blocks, groups
-                )
-                with engine.timer("moments"):
-                    fitted = engine._finalize_task(plan, task, groups, lin, norms)
-                    for alpha in self.alphas:  # only the targets depend on a candidate's alpha
-                        engine._add_task(groups, fitted, exp_sites, fit_sums[alpha], with_candidate(hp0, {"alpha": alpha}))
-                    engine._add_task(groups, engine._finalize_task(plan, task, groups, lin_h, norms_h), exp_sites, held, hp0)
-                del lin, norms, lin_h, norms_h, fitted  # before the next task's moments exist
-        current = {n: {"weight": s.weight, "bias": s.bias} for n, s in plan.sites.items()}
-        scores: Dict[str, float] = {}
-        best = None  # (score, key, updates, methods): only the best candidate's parameters are kept
-        with engine.timer("solve"), on_device([base_block], device):
-            for candidate in self.candidates:
-                key = candidate_key(candidate)
-                try:
-                    updates, methods = engine._solve_block(
-                        plan, base_block, fit_sums[candidate["alpha"]], groups, with_candidate(hp0, candidate)
-                    )
-                except NonFiniteError:
-                    scores[key] = float("nan")  # a candidate whose solve overflows is never chosen
-                    continue
-                self.solves += 1
-                solution: Dict[str, Dict[str, torch.Tensor]] = {}
-                for name, attr, value in updates:
-                    solution.setdefault(name, {})[attr] = value
-                scores[key] = held.score(solution, current)
-                if best is None or scores[key] < best[0]:  # strict: ties keep the earlier candidate
-                    best = (scores[key], key, updates, methods)
-        chosen = best_of(scores, higher_is_better=False)
-        assert best is not None and chosen == best[1]
-        engine._write(plan, best[2])
-        return {"solver": best[3], "chosen": chosen, "scores": scores}
-
-
 def select_per_block(make_engine: EngineFactory, family, hp, grid, merged, base, experts, fit_batches, held_batches):
     """The per-block schedule chosen on a copy of ``merged``, and the search's report."""
     candidates = all_candidates({k: v for k, v in grid.items() if k != PATCH_WEIGHT})
-    selector = BlockSelector(candidates)
-    report = make_engine(hp, family, search=True, selector=selector).run(copy.deepcopy(merged), base, experts, fit_batches, held_batches)
+    selection = HeldoutSelection(candidates)
+    report = make_engine(hp, family, search=True, policy=selection).run(copy.deepcopy(merged), base, experts, fit_batches, held_batches)
     chosen = {entry["block"]: entry["selection"]["chosen"] for entry in report["blocks"] if "selection" in entry}
     by_key = {candidate_key(c): c for c in candidates}
     schedule = [with_candidate(hp, by_key[chosen[b]]) if b in chosen else hp for b in range(report["num_blocks"])]
     blocks = [{"block": e["block"], **e["selection"]} for e in report["blocks"] if "selection" in e]
-    return schedule, {"candidates": [candidate_key(c) for c in candidates], "blocks": blocks, "solves": selector.solves,
+    return schedule, {"candidates": [candidate_key(c) for c in candidates], "blocks": blocks, "solves": selection.solves,
                       "calibrations": 1}
 
 
@@ -253,7 +197,8 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
         choice = {"global": dict(best)}
     search_seconds = time.perf_counter() - started
     final_started = time.perf_counter()
-    report = make_engine(final_hp, chosen_family, schedule=schedule).run(
+    policy = None if schedule is None else FixedHParams(schedule)
+    report = make_engine(final_hp, chosen_family, policy=policy).run(
         merged, base, experts, {t: batches_of(d) for t, d in datasets.items()}
     )
     final_seconds = time.perf_counter() - final_started

@@ -18,11 +18,11 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from .checks import check_same_architecture
+from ..families import family_class_for
+from ..models.checks import check_same_architecture
+from ..models.lazy import load_pool_model_lazily
 from .data import check_splits
-from .families import family_class_for
 from .hub_access import check_hub_access, fetch_only_loaded_files, hub_id, pool_sources
-from .lazy_models import load_pool_model_lazily
 from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
 

@@ -15,11 +15,10 @@ import os
 from typing import Optional
 
 from datasets import load_dataset, load_from_disk
-from omegaconf import DictConfig
-
 from fusion_bench.tasks.flan_t5_text_generation.glue_preprocessors import glue_processors
 from fusion_bench.tasks.flan_t5_text_generation.glue_prompt_templates import glue_prompt_templates
 from fusion_bench.utils import instantiate
+from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 # Our loaders that read a fixed hub dataset (their configs name no id), and the loaders whose `path` (or first
 # positional argument) is a hub dataset id
-_FIXED_DATASETS = {"featcal_fusionbench.glue.load_glue_dataset": GLUE_HUB_ID}
-_PATH_LOADERS = ("datasets.load_dataset", "featcal_fusionbench.text_data.load_prompt_response")
+_FIXED_DATASETS = {"featcal_fusionbench.integration.glue.load_glue_dataset": GLUE_HUB_ID}
+_PATH_LOADERS = ("datasets.load_dataset", "featcal_fusionbench.integration.text_data.load_prompt_response")
 _HUB_PREFIXES = ("hf://", "huggingface://")
 
 

@@ -37,3 +37,22 @@ class DriftMeter:
             return {"l2": float("nan"), "cosine": float("nan")}
         return {"l2": l2 / count, "cosine": cosine / count}
 
+
+
+class AgreementMeter:
+    """Fraction of held-out tokens whose argmax prediction equals the expert's."""
+
+    def __init__(self):
+        self.agree = 0
+        self.count = 0
+
+    def update(self, logits: Tensor, expert_predictions: Tensor, mask: Optional[Tensor] = None) -> None:
+        same = logits.argmax(-1) == expert_predictions
+        if mask is not None:
+            same = same[mask.bool()]
+        self.agree += int(same.sum())
+        self.count += same.numel()
+
+    def result(self) -> float:
+        return self.agree / self.count if self.count else float("nan")
+

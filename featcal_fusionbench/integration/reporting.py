@@ -92,7 +92,7 @@ def write_results(out: Path, results: Dict, markdown: str) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) not in (1, 2, 3):
-        print("usage: python -m featcal_fusionbench.reporting PROGRAM_REPORT_JSON [SURGERY_PROGRAM_REPORT_JSON "
+        print("usage: python -m featcal_fusionbench.integration.reporting PROGRAM_REPORT_JSON [SURGERY_PROGRAM_REPORT_JSON "
               "[AUTO_SELECT_PROGRAM_REPORT_JSON]]\n"
               "  one report (FeatCal with method.return_upstream=true): upstream and FeatCal side by side;\n"
               "  and a second one (a Surgery run on the same pools): TA, TA + FeatCal and TA + Surgery as rows;\n"

@@ -10,15 +10,17 @@ from typing import Any, Dict, Mapping, Optional, Union
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
-from .autoselect import auto_calibrate
+from ..autoselect.options import SelectionOptions
+from ..autoselect.search import auto_calibrate
+from ..core.hparams import DEFAULTS, FeatCalHParams
+from ..core.sampling import check_split_sizes
+from ..engine.loop import FeatCalEngine
+from ..engine.plan import plan_blocks
+from ..engine.streams import StreamOptions
+from ..families import checked_options, family_for
 from .data import calibration_source, select_calibration_data, shard
-from .engine import FeatCalEngine, plan_blocks
-from .families import checked_options, family_for
 from .hub_access import check_path_option
-from .hparams import DEFAULTS, FeatCalHParams
 from .post_merging import PostMergingMixin, peak_memory
-from .selection import SelectionOptions, check_split_sizes
-from .streams import StreamOptions
 
 log = logging.getLogger(__name__)
 

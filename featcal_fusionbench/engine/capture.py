@@ -7,7 +7,7 @@ from typing import Dict, Iterator, List, Mapping, Optional
 
 from torch import Tensor
 
-from .families.sites import Site
+from ..families.sites import Site
 
 
 @contextmanager

@@ -1,0 +1,289 @@
+"""The forward-order calibration loop (paper Algorithm 1).
+
+For each block, in forward order:
+  1. snapshot: the still-uncalibrated block runs on the calibrated prefix's hidden
+     states, and expert i's own block on expert i's hidden states for task i's
+     samples; forward pre-hooks capture every calibrated module's input and the
+     moments stream into per-task sums (one set per shared input, e.g. q/k/v);
+  2. solve: each task's moments are folded into omega-weighted sums as soon as
+     the task is done (memory does not grow with the number of tasks), then
+     weights (Eq. 17), biases (Eq. 55) and norm affines (Eq. 59) are solved;
+  3. load all of the block's new parameters together, and only then advance the
+     calibrated hidden states through the calibrated block.
+Experts and the base model stay where they are (host memory); only the block in
+use visits the device. Every task's hidden-state streams live in a ``StreamStore``
+(``streams``): on the device within a byte budget, spilled to host or disk beyond it. Everything model-specific comes from the model family
+(``families``): the walk, the calibrated sites and their parameters, token weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..core.hparams import FeatCalHParams
+from ..core.meters import DriftMeter
+from ..core.moments import Reduce
+from ..families import ModelFamily
+from ..models.residency import on_device
+from .plan import block_reserve_bytes, plan_blocks
+from .policy import FixedHParams, HParamPolicy
+from .step import BlockStep, TaskStreams
+from .streams import Stream, StreamOptions, StreamStore
+
+log = logging.getLogger(__name__)
+
+LogFn = Callable[[Dict[str, float], int], None]
+
+
+class PhaseTimer:
+    """Seconds per phase of the loop, for profiling; a no-op unless enabled (CUDA is synchronised then)."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self.sync = enabled and device.type == "cuda"
+        self.seconds: Dict[str, float] = Counter()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        if self.sync:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - started
+
+
+class FeatCalEngine:
+    """Runs Algorithm 1 on one calibrated model; see the module docstring."""
+
+    def __init__(
+        self,
+        family: ModelFamily,
+        hparams: FeatCalHParams,
+        device: torch.device,
+        *,
+        reduce: Optional[Reduce] = None,
+        track_upstream: bool = False,
+        log_fn: Optional[LogFn] = None,
+        progress: bool = True,
+        profile: bool = False,
+        streams: Optional[StreamOptions] = None,
+        policy: Optional[HParamPolicy] = None,
+    ):
+        """``policy``: each block's lambda / rho / alpha (``engine.policy``); by default ``hparams``' own values in
+        every block. A policy that ``needs_heldout`` is given each task's held-out batches (``run``)."""
+        self.family = family
+        self.hparams = hparams
+        self.policy = policy or FixedHParams()
+        self.device = torch.device(device)
+        self.reduce = reduce
+        self.track_upstream = track_upstream
+        self.log_fn = log_fn
+        self.progress = progress
+        self.timer = PhaseTimer(profile, self.device)
+        self.stream_options = streams or StreamOptions()
+        self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
+
+    # ---- streams ------------------------------------------------------------------------------
+
+    def _embed(self, model, expert, batches, store: StreamStore, upstream: bool = True) -> TaskStreams:
+        """The task's calibrated and expert streams, and the upstream one when tracked (it starts as the calibrated)."""
+        family = self.family
+        cal, exp = store.stream(), store.stream()
+        upstream = store.stream() if self.track_upstream and upstream else None
+        with on_device(family.stem_modules(expert), self.device):
+            for inputs in batches:
+                with self.timer("embed"):
+                    inputs = family.inputs_to(inputs, self.device)
+                    embedded = [family.embed(source, inputs) for source in (model, expert)]
+                for stream, (hidden, meta) in zip((cal, exp), embedded):
+                    stream.append(hidden, meta)
+                if upstream is not None:
+                    upstream.append(*embedded[0])
+        if not len(cal):
+            raise ValueError("a task produced no calibration batches")
+        return TaskStreams(cal, exp, upstream)
+
+    def _enter_block(self, model, index, stream: Stream) -> None:
+        if type(self.family).enter_block is ModelFamily.enter_block:
+            return  # the identity: spare fetching every spilled batch (and a lazy model's stem) for nothing
+        with on_device(self.family.stem_modules(model), self.device):
+            for b in range(len(stream)):
+                hidden, meta = stream.get(b)
+                entered = self.family.enter_block(model, index, hidden, meta)
+                if entered[0] is not hidden or entered[1] is not meta:
+                    stream.put(b, *entered)
+
+    def _advance(self, block, stream: Stream) -> None:
+        """Run every batch of ``stream`` through ``block``."""
+        for b in range(len(stream)):
+            hidden, meta = stream.get(b)
+            stream.put(b, self.family.run_block(block, hidden, meta))
+
+    # ---- the whole model ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(
+        self,
+        model: nn.Module,
+        base: nn.Module,
+        experts: Mapping[str, nn.Module],
+        task_batches: Mapping[str, Iterable[Any]],
+        heldout_batches: Optional[Mapping[str, Iterable[Any]]] = None,
+    ) -> Dict[str, Any]:
+        """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches``
+        (with a policy that ``needs_heldout`` only): each task's held-out examples, streamed beside the fit ones and never fitted."""
+        family, hp = self.family, self.hparams
+        tasks = list(experts)
+        missing = [t for t in tasks if t not in task_batches]
+        if missing:
+            raise ValueError(f"no calibration batches for task(s) {missing}")
+        if (heldout_batches is None) == self.policy.needs_heldout:
+            raise ValueError("held-out batches go with a policy that needs them, and only with one")
+        self.policy.check(len(family.blocks(model)))
+        plans = plan_blocks(family, model, hp)
+        for module in (model, base, *experts.values()):
+            module.eval()
+        model.to(self.device)
+        blocks = family.blocks(model)
+        base_blocks = family.blocks(base)
+        expert_blocks = {t: family.blocks(experts[t]) for t in tasks}
+        num_blocks = len(blocks)
+
+        started = time.perf_counter()
+        options = self.stream_options
+        budget = options.device_budget(self.device, block_reserve_bytes(blocks, hp.torch_accumulation_dtype))
+        # Leaving the store drops every stream and removes its spill folder, also when calibration raises.
+        with StreamStore(self.device, budget, options.spill, options.spill_dir, timer=self.timer) as store:
+            streams: Dict[str, TaskStreams] = {}
+            for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
+                streams[task] = self._embed(model, experts[task], task_batches[task], store)
+            heldout: Dict[str, TaskStreams] = {}
+            for task in tasks if heldout_batches is not None else ():
+                heldout[task] = self._embed(model, experts[task], heldout_batches[task], store, upstream=False)
+
+            report_blocks = []
+            bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
+            for index in bar:
+                entry = self._calibrate_block(
+                    plans[index], model, blocks[index], base_blocks[index], experts,
+                    {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks, heldout,
+                )
+                report_blocks.append(entry)
+                self._log_block(entry)
+                drift = entry["drift"]
+                mean_after = sum(d["after"]["cosine"] for d in drift.values()) / len(drift)
+                bar.set_postfix(cos_after=f"{mean_after:.4f}")
+            stream_report = {**store.report(), "device_budget": "auto" if options.auto else "option"}
+
+        return {
+            "family": family.name,
+            "family_options": dict(family.option_values),
+            "tasks": tasks,
+            "num_blocks": num_blocks,
+            "seconds": time.perf_counter() - started,
+            "phase_seconds": dict(self.timer.seconds) if self.timer.enabled else None,
+            "statistics_bytes": self.statistics_bytes,
+            "streams": stream_report,
+            "blocks": report_blocks,
+        }
+
+    def _calibrate_block(self, plan, model, block, base_block, experts, expert_blocks, streams, num_blocks, heldout):
+        """Collect, solve and load one block, then advance the streams past it; return the block's report entry."""
+        family = self.family
+        index = plan.index
+        block_started = time.perf_counter()
+        for task, task_streams in itertools.chain(streams.items(), heldout.items()):
+            self._enter_block(model, index, task_streams.calibrated)
+            self._enter_block(experts[task], index, task_streams.expert)
+            if task_streams.upstream is not None:
+                self._enter_block(model, index, task_streams.upstream)
+
+        choice = self.policy.for_block(index, self.hparams)
+        before_meters: Dict[str, DriftMeter] = {}
+        methods: Dict[str, int] = {}
+        if plan.modules:
+            step = BlockStep(family, plan, block, base_block, num_blocks, self.device,
+                             self.hparams.torch_accumulation_dtype, self.timer, self.reduce)
+            for task, expert_block in expert_blocks.items():
+                with on_device([expert_block], self.device):
+                    fit = step.collect(task, expert_block, streams[task])
+                    held = step.collect(task, expert_block, heldout[task]) if task in heldout else None
+                    before_meters[task] = fit.drift_before
+                    with self.timer("moments"):
+                        choice.add_task(step, fit, held, family.sites(expert_block))
+                    del fit, held  # before the next task's moments exist
+            with self.timer("solve"), on_device([base_block], self.device):
+                solution = choice.solve(step)
+            step.write(solution)
+            methods = solution.methods
+            self.statistics_bytes = max(self.statistics_bytes, step.peak_bytes)
+            del step, solution
+        else:
+            # Nothing to fit here, but the expert and upstream trajectories still advance.
+            for task, task_streams in itertools.chain(streams.items(), heldout.items()):
+                with on_device([expert_blocks[task]], self.device):
+                    self._advance(expert_blocks[task], task_streams.expert)
+                if task_streams.upstream is not None:
+                    self._advance(block, task_streams.upstream)
+        for task_streams in heldout.values():  # the held-out calibrated streams enter the next block calibrated too
+            self._advance(block, task_streams.calibrated)
+
+        drift = {}
+        for task, task_streams in streams.items():
+            cal, exp, upstream = task_streams.calibrated, task_streams.expert, task_streams.upstream
+            after, beside = DriftMeter(), DriftMeter()
+            for b in range(len(cal)):
+                hidden, meta = cal.get(b)
+                with self.timer("advance"):
+                    hidden = family.run_block(block, hidden, meta)
+                cal.put(b, hidden)
+                reference = exp.hidden(b)
+                upstream_hidden = None if upstream is None else upstream.hidden(b)
+                with self.timer("drift"):
+                    mask = family.valid_token_mask(meta, hidden)
+                    after.update(hidden, reference, mask)
+                    if upstream_hidden is not None:
+                        beside.update(upstream_hidden, reference, mask)
+            drift[task] = {"after": after.result(self.reduce)}
+            if task in before_meters:
+                drift[task]["before"] = before_meters[task].result(self.reduce)
+            if upstream is not None:
+                drift[task]["upstream"] = beside.result(self.reduce)
+        return {
+            "block": index,
+            "modules": [full for full, _ in plan.modules.values()],
+            "solver": methods,
+            "seconds": time.perf_counter() - block_started,
+            "drift": drift,
+            **choice.report,
+        }
+
+    def _log_block(self, entry: Dict[str, Any]) -> None:
+        index = entry["block"]
+        summary = []
+        metrics: Dict[str, float] = {"featcal/block_seconds": entry["seconds"]}
+        for task, drift in entry["drift"].items():
+            for when, values in drift.items():
+                for metric, value in values.items():
+                    metrics[f"featcal/drift_{when}_{metric}/{task}"] = value
+            before = drift.get("before", {}).get("l2", float("nan"))
+            summary.append(f"{task}: l2 {before:.4g} -> {drift['after']['l2']:.4g}")  # this block: uncalibrated -> calibrated
+        log.info("FeatCal block %d (%.2fs): %s", index, entry["seconds"], "; ".join(summary))
+        if self.log_fn is not None:
+            self.log_fn(metrics, index)

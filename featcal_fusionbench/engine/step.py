@@ -1,0 +1,268 @@
+"""One block's work, as a public step: collect a task's moments, fold them into sums, solve, write.
+
+The loop (``engine.loop``) owns the order: for each task it has the step ``collect`` that task's moments on the
+task's streams, hands them to the block's hyperparameter choice (``engine.policy``), which ``fold``s them into
+its sums and ``solve``s; then the step ``write``s the chosen solution. The step holds no hyperparameter of its own:
+every fold and solve is given the values it runs with, so a choice can fold and solve the same moments under
+several candidates.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Dict, Hashable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..core.block_sums import TaskSums
+from ..core.hparams import FeatCalHParams
+from ..core.meters import DriftMeter
+from ..core.moments import LinearInputMoments, LinearInputStats, NormInputMoments, NormInputStats, Reduce, check_finite
+from ..core.solver import anchor, solve_bias, solve_layernorm_affine, solve_linear_weight, solve_norm_scale
+from ..families import LINEAR, NORM_KINDS, ModelFamily, Site
+from .capture import capture_inputs, group_shared_inputs
+from .plan import BlockPlan
+from .streams import Stream
+
+#: (phase name) -> a context manager that times the phase (``loop.PhaseTimer``)
+Timer = Callable[[str], ContextManager]
+
+
+@dataclass
+class TaskStreams:
+    """One task's hidden states at the current block's input, batch by batch."""
+
+    calibrated: Stream  # through the calibrated prefix
+    expert: Stream  # through the task's expert
+    upstream: Optional[Stream] = None  # through the upstream merged model, when the loop tracks it
+
+
+@dataclass
+class LinearGroup:
+    """Linear sites fed the very same tensor with the same token weighting: they share one set of moments."""
+
+    names: List[str]
+    profile: Hashable
+
+
+@dataclass
+class TaskMoments:
+    """One task's input moments at one block, reduced across ranks and checked for non-finite values."""
+
+    task: str
+    linear: Dict[int, LinearInputStats]  # per linear group (``BlockStep.groups``)
+    norm: Dict[str, NormInputStats]  # per norm site
+    nbytes: int  # the accumulators' bytes, for the report's statistics peak
+    drift_before: DriftMeter  # the uncalibrated block's output against the expert's, on these batches
+
+
+@dataclass
+class BlockSolution:
+    """A block's new parameters as (site name, attribute, value) in the order they were solved, and how many solves
+    each solver method did."""
+
+    updates: List[Tuple[str, str, Tensor]] = field(default_factory=list)
+    methods: Dict[str, int] = field(default_factory=dict)
+
+    def by_site(self) -> Dict[str, Dict[str, Tensor]]:
+        out: Dict[str, Dict[str, Tensor]] = {}
+        for name, attr, value in self.updates:
+            out.setdefault(name, {})[attr] = value
+        return out
+
+
+class BlockStep:
+    """The work on one block of the calibrated model, given the block of the base model it is anchored to."""
+
+    def __init__(
+        self,
+        family: ModelFamily,
+        plan: BlockPlan,
+        block: nn.Module,
+        base_block: nn.Module,
+        num_blocks: int,
+        device: torch.device,
+        accumulation_dtype: torch.dtype,
+        timer: Timer,
+        reduce: Optional[Reduce] = None,
+    ):
+        self.family = family
+        self.plan = plan
+        self.block = block
+        self.base_block = base_block
+        self.num_blocks = num_blocks
+        self.device = device
+        self.accumulation_dtype = accumulation_dtype
+        self.timer = timer
+        self.reduce = reduce
+        self.groups: Optional[List[LinearGroup]] = None  # found on the first batch collected
+        self.peak_bytes = 0  # one task's accumulators plus the sums they are folded into, at most
+
+    # ---- collect ------------------------------------------------------------------------------
+
+    def collect(self, task: str, expert_block: nn.Module, streams: TaskStreams) -> TaskMoments:
+        """Stream the task's batches through the still-uncalibrated block and the expert's block (which the caller
+        has put on the device), advancing the expert (and upstream) streams past this block; return the task's
+        moments."""
+        family, plan = self.family, self.plan
+        linear = plan.names(LINEAR)
+        norms = plan.names(*NORM_KINDS)
+        exp_sites = family.sites(expert_block)
+        linear_moments: Dict[int, LinearInputMoments] = {}
+        norm_moments: Dict[str, NormInputMoments] = {}
+        before = DriftMeter()
+        cal, exp, upstream = streams.calibrated, streams.expert, streams.upstream
+        for b in range(len(cal)):
+            hidden, meta = cal.get(b)
+            with self.timer("snapshot forward"), capture_inputs({n: plan.sites[n] for n in linear + norms}) as cap_cal:
+                uncalibrated = family.run_block(self.block, hidden, meta)
+            exp_hidden, exp_meta = exp.get(b)
+            exp_out: Dict[str, Tensor] = {}
+            with self.timer("expert forward"), capture_inputs({n: exp_sites[n] for n in linear}, exp_out) as cap_exp:
+                exp_hidden = family.run_block(expert_block, exp_hidden, exp_meta)
+            exp.put(b, exp_hidden)
+            with self.timer("drift"):
+                before.update(uncalibrated, exp_hidden, family.valid_token_mask(meta, uncalibrated))
+            if upstream is not None:
+                # The block still holds its merged weights: this advances the upstream trajectory.
+                up_hidden, up_meta = upstream.get(b)
+                with self.timer("upstream forward"):
+                    up_hidden = family.run_block(self.block, up_hidden, up_meta)
+                upstream.put(b, up_hidden)
+            with self.timer("moments"):
+                if self.groups is None:
+                    self.groups = self._group_linears(cap_cal, linear)
+                self._accumulate(cap_cal, cap_exp, exp_out, hidden, meta, norms, linear_moments, norm_moments)
+        with self.timer("moments"):
+            return self._finalize(task, linear_moments, norm_moments, before)
+
+    def _group_linears(self, captured, linear) -> List[LinearGroup]:
+        groups = []
+        for shared in group_shared_inputs(captured, linear):
+            by_profile: Dict[Hashable, List[str]] = {}
+            for name in shared:
+                by_profile.setdefault(self.family.weight_profile(self.plan.index, self.num_blocks, name), []).append(name)
+            groups.extend(LinearGroup(names, profile) for profile, names in by_profile.items())
+        return groups
+
+    def _accumulate(self, cap_cal, cap_exp, exp_out, hidden, meta, norms, linear_moments, norm_moments) -> None:
+        """Add one batch's captured inputs to the task's moments."""
+        family, sites, dtype = self.family, self.plan.sites, self.accumulation_dtype
+        weights_cache: Dict[Hashable, Optional[Tensor]] = {}
+
+        def weights(profile):
+            if profile not in weights_cache:
+                weights_cache[profile] = family.token_weights(profile, hidden, meta)
+            return weights_cache[profile]
+
+        for gi, group in enumerate(self.groups):
+            first = group.names[0]
+            if gi not in linear_moments:
+                dim = cap_cal[first].shape[-1]
+                out_dims = {n: sites[n].out_features for n in group.names}
+                # E[x_exp x_cal^T] costs d^2 per token; the modules' own expert outputs give
+                # W_i E[x_exp x_cal^T] for sum(m) * d: cheaper when the group narrows (e.g. fc2).
+                projected = out_dims if sum(out_dims.values()) < dim else None
+                linear_moments[gi] = LinearInputMoments(dim, dtype, self.device, out_dims=projected)
+            moments = linear_moments[gi]
+            if moments.projected:
+                moments.update(cap_cal[first], None, weights(group.profile), {n: exp_out[n] for n in group.names})
+            else:
+                moments.update(cap_cal[first], cap_exp[first], weights(group.profile))
+        for name in norms:
+            site = sites[name]
+            if name not in norm_moments:
+                norm_moments[name] = NormInputMoments(site.dim, site.normalizer(), dtype, self.device)
+            norm_moments[name].update(cap_cal[name], weights(family.weight_profile(self.plan.index, self.num_blocks, name)))
+
+    def _finalize(self, task, linear_moments, norm_moments, before) -> TaskMoments:
+        nbytes = sum(m.nbytes() for m in itertools.chain(linear_moments.values(), norm_moments.values()))
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+        modules = self.plan.modules
+        linear = {}
+        for gi, moments in linear_moments.items():
+            linear[gi] = stats = moments.finalize(self.reduce)
+            what = f"the input moments of {', '.join(modules[n][0] for n in self.groups[gi].names)} (task {task})"
+            for tensor in stats.tensors():
+                check_finite(tensor, what)
+        norm = {}
+        for name, moments in norm_moments.items():
+            norm[name] = stats = moments.finalize(self.reduce)
+            check_finite(stats.second_moment, f"the normalised-input moments of {modules[name][0]} (task {task})")
+        return TaskMoments(task, linear, norm, nbytes, before)
+
+    # ---- fold, solve, write -------------------------------------------------------------------
+
+    def fold(self, moments: TaskMoments, expert_sites: Dict[str, Site], sums: TaskSums, hp: FeatCalHParams) -> None:
+        """Add one task's moments to ``sums`` (the block's solve sums, or held-out objective sums) under ``hp``."""
+        self.peak_bytes = max(self.peak_bytes, moments.nbytes + sums.nbytes())
+        for gi, stats in moments.linear.items():
+            sums.add_linear(gi, self.groups[gi], stats, expert_sites, hp, hp.calibrate_bias)
+        for name, stats in moments.norm.items():
+            sums.add_norm(name, stats, expert_sites[name])
+        sums.num_tasks += 1
+
+    def solve(self, sums, hp: FeatCalHParams, consume: bool = False) -> BlockSolution:
+        """The block's new parameters from ``sums`` (a ``BlockSums``) under ``hp``; nothing is written. The base
+        block must be on the device. With ``consume`` (sums solved once), each group's sums are dropped as soon as
+        its modules are solved and every value is kept in its parameter's dtype: at Llama-3.2-1B shape a block's
+        float64 solutions and its sums would otherwise be most of the host-memory peak."""
+        plan = self.plan
+        cal_sites = plan.sites
+        base_sites = self.family.sites(self.base_block)
+        solution = BlockSolution()
+        methods: Counter = Counter()
+
+        def anchored(name, attr):
+            return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), hp.rho)
+
+        def update(name, attr, value):
+            if consume:  # the values write would copy in anyway
+                value = value.to(getattr(cal_sites[name], attr).dtype)
+            solution.updates.append((name, attr, value))
+
+        for gi, group in enumerate(self.groups or []):
+            for name in group.names:
+                full = plan.modules[name][0]
+                site = cal_sites[name]
+                result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight"), hp.lambda_, hp.eps)
+                check_finite(result.solution, f"the solved weight of {full}")
+                methods[result.method] += 1
+                update(name, "weight", result.solution)
+                if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
+                    bias = solve_bias(
+                        sums.omega[gi],
+                        sums.bias_target[name],
+                        sums.mean_cal[gi],
+                        result.solution,
+                        anchored(name, "bias"),
+                        hp.lambda_,
+                    )
+                    check_finite(bias, f"the solved bias of {full}")
+                    update(name, "bias", bias)
+            if consume:
+                sums.drop_group(gi, group.names)
+        for name, entry in sums.norm.items():
+            full, kind = plan.modules[name]
+            gamma_anchor = anchored(name, "weight")
+            if "r_beta" in entry:
+                gamma, beta = solve_layernorm_affine(
+                    entry["q"], entry["z"], entry["r_gamma"], entry["r_beta"], sums.num_tasks,
+                    gamma_anchor, anchored(name, "bias"), hp.lambda_, hp.eps,
+                )
+                check_finite(beta, f"the solved shift of {full}")
+                update(name, "bias", beta)
+            else:
+                gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
+            check_finite(gamma, f"the solved scale of {full}")
+            update(name, "weight", gamma)
+        solution.methods = dict(methods)
+        return solution
+
+    def write(self, solution: BlockSolution) -> None:
+        # Load everything together: no site of this block saw a partially updated block.
+        for name, attr, value in solution.updates:
+            self.plan.sites[name].write(**{attr: value})
