@@ -420,6 +420,7 @@ def fusion_bench_run(cwd, *args):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tiny_llama_pool, tmp_path, dtype):
     """`fusion_bench method=featcal/causal_lm_ta` on a CausalLMPool on disk, scored by lm-eval tasks over local
@@ -450,6 +451,7 @@ def test_featcal_runs_through_the_cli_on_a_causal_lm_pool_with_text_examples(tin
     assert not torch.allclose(state["model.layers.1.mlp.down_proj.weight"], base_state["model.layers.1.mlp.down_proj.weight"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("baseline", ["surgery", "probsurgery"])
 def test_the_baselines_train_their_maps_on_lm_heads_input_through_the_cli(tiny_llama_pool, tmp_path, baseline):
     import json
@@ -479,6 +481,7 @@ def test_a_saved_merged_model_is_loaded_in_the_bases_dtype(tmp_path):
     assert merged.dtype == torch.bfloat16 and source == f"path:{tmp_path / 'merged'}"
 
 
+@pytest.mark.slow
 def test_lazy_loading_through_the_cli_calibrates_exactly_as_whole_models(tiny_llama_pool, tmp_path):
     """`method.lazy_loading=true`: the base and experts are read from the pool's safetensors folders one block at a
     time; the calibrated model is the same, bit for bit."""

@@ -123,6 +123,7 @@ def test_every_baseline_config_composes_with_the_paper_defaults(fusion_bench_con
         assert method["rank"] == 16
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 def test_probsurgery_runs_through_the_cli_and_is_evaluated_by_the_surgery_hook(toy_world, tmp_path):
     fusion_bench(
         *toy_args(toy_world, "method=probsurgery/clip_ta", "method.max_steps=2", "method.return_upstream=true",
@@ -135,6 +136,7 @@ def test_probsurgery_runs_through_the_cli_and_is_evaluated_by_the_surgery_hook(t
     assert report["probsurgery_calibration"]["features"] == "streamed"
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 def test_method_resolves_from_the_repository_root_despite_its_config_folder():
     """The CLI makes ./config its primary config path here; the plugin must keep FusionBench's configs reachable."""
     result = fusion_bench("--cfg", "job", "method=featcal", "method.lambda_=0.01", cwd=REPO)
@@ -144,6 +146,7 @@ def test_method_resolves_from_the_repository_root_despite_its_config_folder():
     assert cfg._target_ == "fusion_bench.programs.FabricModelFusionProgram"
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 def test_end_to_end_offline_run_evaluates_and_saves_the_calibrated_model(toy_world, tmp_path):
     log_dir = tmp_path / "log"
     fusion_bench(
@@ -163,6 +166,7 @@ def test_end_to_end_offline_run_evaluates_and_saves_the_calibrated_model(toy_wor
     assert saved.state_dict().keys() == pretrained.state_dict().keys()
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 def test_two_value_multirun_reports_upstream_and_featcal_for_each_value(toy_world, tmp_path):
     fusion_bench(
         "-m",
@@ -186,6 +190,7 @@ def test_two_value_multirun_reports_upstream_and_featcal_for_each_value(toy_worl
     assert reports[0]["upstream"]["average"] == reports[1]["upstream"]["average"]
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 def test_bad_input_on_the_command_line_fails_with_the_reason(toy_world, tmp_path):
     result = fusion_bench(*toy_args(toy_world, "method=featcal", "method.alpha=1.5"), cwd=tmp_path, check=False)
     assert result.returncode != 0

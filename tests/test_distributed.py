@@ -1,11 +1,14 @@
 """Two CPU processes (gloo) give the single-process result: shards plus all-reduced moments."""
 
 import lightning as L
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from featcal_fusionbench import FeatCalAlgorithm
 from fusion_bench.utils import instantiate
+
+pytestmark = pytest.mark.slow  # two gloo ranks in processes of their own
 
 TA = {"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3, "inplace": False}
 

@@ -2,15 +2,18 @@
 CLIP-specific. What every family keeps is in test_family_contract.py."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
-from featcal_fusionbench.engine.loop import FeatCalEngine
-from featcal_fusionbench.engine.step import BlockStep
+from featcal_fusionbench.core.block_sums import BlockSums
 from featcal_fusionbench.core.hparams import FeatCalHParams
 from featcal_fusionbench.core.moments import NonFiniteError
+from featcal_fusionbench.engine.loop import FeatCalEngine
+from featcal_fusionbench.engine.policy import FixedHParams
+from featcal_fusionbench.engine.step import BlockStep
+from featcal_fusionbench.families.clip_vision import CLIPVisionFamily
 
 from helpers import (
     block_module_inputs,
@@ -151,3 +154,53 @@ def test_upstream_trajectory_drift_is_reported_when_tracked_and_calibration_redu
         expert_hidden = experts["task0"](pixel_values=torch.cat(data["task0"]), output_hidden_states=True).hidden_states[-1]
     expected = (hidden - expert_hidden).norm(dim=-1).mean()
     assert abs(last["task0"]["upstream"]["l2"] - float(expected)) < 1e-4 * float(expected)
+
+
+class RhoByDepth:
+    """docs/architecture.md's example policy: rho grows with depth."""
+
+    needs_heldout = False
+
+    def __init__(self, num_blocks):
+        self.num_blocks = num_blocks
+
+    def check(self, num_blocks):
+        assert num_blocks == self.num_blocks
+
+    def for_block(self, index, hparams):
+        return RhoChoice(hparams, 1.0 + index / self.num_blocks)
+
+
+class RhoChoice:
+    def __init__(self, hparams, rho):
+        self.hp, self.sums = dataclasses.replace(hparams, rho=rho), BlockSums()
+        self.report = {"rho": rho}
+
+    def add_task(self, step, fit, heldout, expert_sites):
+        step.fold(fit, expert_sites, self.sums, self.hp)
+
+    def solve(self, step):
+        return step.solve(self.sums, self.hp, consume=True)
+
+
+def test_a_policy_of_ones_own_calibrates_like_the_same_values_as_a_schedule():
+    """The public block step serves a policy written outside the package (docs/architecture.md's example): bit for
+    bit what the built-in schedule of the same values gives, with the policy's report in each block's entry."""
+    base, experts, merged, data = tiny_world()
+    hp = FeatCalHParams(num_calibration_examples=12, batch_size=4)
+    layers = len(merged.vision_model.encoder.layers)
+    schedule = [dataclasses.replace(hp, rho=1.0 + i / layers) for i in range(layers)]
+    reports, models = [], []
+    for policy in (RhoByDepth(layers), FixedHParams(schedule)):
+        model = copy.deepcopy(merged)
+        engine = FeatCalEngine(CLIPVisionFamily(), hp, "cpu", progress=False, policy=policy)
+        reports.append(engine.run(model, base, experts, {t: iter(v) for t, v in data.items()}))
+        models.append(model)
+    assert [b["rho"] for b in reports[0]["blocks"]] == [b["hparams"]["rho"] for b in reports[1]["blocks"]]
+    assert reports[0]["blocks"][-1]["rho"] > reports[0]["blocks"][0]["rho"]
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(AssertionError):
+        FeatCalEngine(CLIPVisionFamily(), hp, "cpu", progress=False, policy=RhoByDepth(layers + 1)).run(
+            copy.deepcopy(merged), base, experts, {t: iter(v) for t, v in data.items()}
+        )

@@ -21,6 +21,8 @@ import pytest
 from hubmirror.server import HubMirror
 from hubmirror.standins import GLUE, TA8, build
 
+pytestmark = pytest.mark.slow  # the mirror's stand-ins are built, and most tests start the fusion_bench CLI
+
 FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
 TOKEN = "hf_mirror_test_token"
 TINY = ["method.num_calibration_examples=4"]

@@ -11,7 +11,7 @@ from datasets import Dataset
 from omegaconf import OmegaConf
 from PIL import Image
 
-from featcal_experiments.openclip_convert import hf_to_openclip, openclip_to_hf_state
+from featcal_fusionbench.models.openclip_convert import hf_to_openclip, openclip_to_hf_state
 from featcal_fusionbench.engine.loop import FeatCalEngine
 from featcal_fusionbench.families import family_for
 from featcal_fusionbench.families.clip_vision import CLIPVisionFamily

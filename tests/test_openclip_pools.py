@@ -113,6 +113,7 @@ def scores(report):
     return {t: v for t, v in report.items() if t in TASKS}
 
 
+@pytest.mark.slow
 def test_fusion_benchs_openclip_pools_import_on_this_python_through_the_backport():
     """In a fresh interpreter: FusionBench's own module fails on Python < 3.12 (`from typing import override`), and
     imports once this package's pool module is imported."""
@@ -268,7 +269,7 @@ def test_one_network_and_one_map_classify_alike_through_hf_clip_and_openclip():
     from fusion_bench.models.hf_clip import HFCLIPClassifier
     from transformers import CLIPConfig, CLIPModel
 
-    from featcal_experiments.openclip_convert import hf_to_openclip
+    from featcal_fusionbench.models.openclip_convert import hf_to_openclip
     from helpers import tiny_image_encoder
 
     hf = tiny_clip_vision(seed=3)

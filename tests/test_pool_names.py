@@ -56,6 +56,7 @@ def test_a_short_name_composes_to_the_same_pool_as_its_long_name_and_its_task_po
     assert set(evaluated.taskpool.test_datasets) == {m for m in via_long.modelpool.models if m != "_pretrained_"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("short", ["clip-vit-base-patch32_TA8", "flan-t5-large_glue_lora16"])
 def test_the_cli_composes_a_short_name_as_its_long_name(tmp_path, short):
     def job(modelpool):

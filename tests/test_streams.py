@@ -194,6 +194,7 @@ def test_the_method_spills_to_disk_calibrates_the_same_and_reports_the_streams(t
     assert not any(spill_dir.iterdir())
 
 
+@pytest.mark.slow
 def test_the_stream_options_reach_the_method_from_the_command_line(tiny_llama_pool, tmp_path):
     """`method.stream_device_bytes=1KiB method.stream_spill=disk` through Hydra on a tiny Llama pool: the batches
     spilled, the calibrated model the same, bit for bit."""

@@ -24,6 +24,7 @@ def t5_args(pool, *extra):
     ]
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 def test_featcal_for_flan_t5_runs_offline_and_reports_the_average(tiny_t5_pool, tmp_path):
     """The GLUE config's calibration_datasets list only glue-* tasks: this pool's own train splits are used."""
     fusion_bench(*t5_args(tiny_t5_pool, "method=featcal/flan_t5_ta", f"path.log_dir={tmp_path}"), cwd=tmp_path)
@@ -41,6 +42,7 @@ def test_featcal_for_flan_t5_runs_offline_and_reports_the_average(tiny_t5_pool, 
     assert not any("layer_norm" in m for b in calibration["blocks"] for m in b["modules"])
 
 
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
 @pytest.mark.parametrize("method", ["surgery", "probsurgery"])
 def test_surgery_baselines_for_flan_t5_run_offline(tiny_t5_pool, tmp_path, method):
     fusion_bench(

@@ -29,7 +29,7 @@ def subset(dataset, indices: Sequence[int]):
 
 def heldout_split(num_examples: int, fraction: float, seed: int, task: str) -> Tuple[List[int], List[int]]:
     """(fit, held-out) positions in a task's calibration set: disjoint, covering it, both non-empty, fixed by
-    (seed, task name) alone, like the calibration examples themselves (``data.calibration_indices``)."""
+    (seed, task name) alone, like the calibration examples themselves (``calibration_indices``)."""
     heldout = int(round(fraction * num_examples))
     if heldout < 1 or heldout > num_examples - 1:
         raise ValueError(

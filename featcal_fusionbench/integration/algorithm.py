@@ -47,7 +47,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     CPU) bounds the hidden-state streams kept on the device; batches beyond it go to
     ``stream_spill`` ("host": pinned host memory; "disk": a temporary folder in
     ``stream_spill_dir``, removed at the end). ``auto_select`` (false: off, the given lambda_ / rho / alpha;
-    true or a mapping of ``selection.SelectionOptions``): choose them without labels on a held-out part of each
+    true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on a held-out part of each
     task's calibration examples, then calibrate on all of them with the choice (``autoselect``).
     """
 

@@ -3,7 +3,7 @@
 FeatCal needs one block of the base and of each expert at a time (plus each expert's stem while its task's inputs
 are embedded), so a *lazy* model is the model's skeleton with its parameters on the meta device, and each module
 knows where its tensors are in the checkpoint (safetensors: one file, or shards with an HF index). The engine's
-residency scope (``engine.on_device``) reads a lazy module's tensors onto the device when it enters and puts them
+residency scope (``models.residency.on_device``) reads a lazy module's tensors onto the device when it enters and puts them
 back on the meta device when it leaves, so host memory holds the merged model and the blocks in use, not whole
 copies of the base and every expert.
 

@@ -82,9 +82,9 @@ def build(folder: Path, *, clip: bool = True, flan_t5: bool = True, llm: bool = 
 
 
 def build_clip(folder: Path) -> None:
-    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer, CLIPTokenizerFast
+    from transformers import CLIPConfig, CLIPModel, CLIPTokenizerFast
 
-    from featcal_experiments.worlds.clip_tokenizer import write_clip_tokenizer_files
+    from featcal_fusionbench.models.openclip_convert import clip_tokenizer
 
     repo = folder / "models" / "openai" / "clip-vit-base-patch32"
     torch.manual_seed(0)
@@ -103,8 +103,8 @@ def build_clip(folder: Path) -> None:
     torch.save(model.state_dict(), repo / "pytorch_model.bin")
     _placeholders(repo)
     tokens = folder / "_clip_tokenizer"
-    vocab, merges = write_clip_tokenizer_files(tokens)
-    CLIPTokenizer(str(vocab), str(merges)).save_pretrained(tokens)
+    clip_tokenizer(tokens).save_pretrained(tokens)
+    vocab, merges = tokens / "vocab.json", tokens / "merges.txt"
     CLIPTokenizerFast.from_pretrained(tokens).save_pretrained(repo)  # tokenizer.json, tokenizer_config, special tokens
     shutil.copy(vocab, repo / "vocab.json")
     shutil.copy(merges, repo / "merges.txt")

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
+from featcal_fusionbench.models.openclip_convert import clip_tokenizer
+
 from . import sources
 from .clip_common import finetune_vision_tower, write_fusion_bench_configs, zero_shot_head
-from .clip_tokenizer import clip_tokenizer
 from .pretraining import pretrain_clip
 from .task_vectors import moved, scaled_task_vector_sum
 

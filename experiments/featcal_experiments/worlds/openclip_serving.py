@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from open_clip.transform import image_transform
 from torch import Tensor, nn
 
-from ..openclip_convert import hf_to_openclip
+from featcal_fusionbench.models.openclip_convert import hf_to_openclip
 from .clip_common import zero_shot_head
 
 

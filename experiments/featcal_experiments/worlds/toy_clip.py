@@ -20,8 +20,9 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from featcal_fusionbench.models.openclip_convert import clip_tokenizer
+
 from .clip_common import finetune_vision_tower, write_fusion_bench_configs, zero_shot_head
-from .clip_tokenizer import clip_tokenizer
 
 CLASS_WORDS = ["circle", "square", "triangle", "star", "cross", "ring", "wave", "dot"]
 TEMPLATES = ["a photo of a {}.", "a picture of a {}."]
@@ -82,7 +83,8 @@ def _images(prototype: np.ndarray, count: int, noise: float, rng: np.random.Gene
 
 def build_toy_clip_world(root: Path, spec: ToyCLIPSpec = ToyCLIPSpec()) -> Dict[str, str]:
     """Build the world under ``root``; return the paths of its pool and task-pool YAMLs."""
-    from datasets import ClassLabel, Dataset, Features, Image as ImageFeature
+    from datasets import ClassLabel, Dataset, Features
+    from datasets import Image as ImageFeature
     from datasets.utils.logging import disable_progress_bar
     from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPVisionModel
 

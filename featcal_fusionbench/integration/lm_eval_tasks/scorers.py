@@ -1,3 +1,8 @@
 """What the task YAMLs of this folder name with ``!function scorers.<name>``."""
 
-from ..lm_eval_scoring import humaneval_plus_process_results, math500_process_results, mbpp_plus_process_results
+# Absolute: lm-eval loads this file by its path, outside the package.
+from featcal_fusionbench.integration.lm_eval_scoring import (  # noqa: F401
+    humaneval_plus_process_results,
+    math500_process_results,
+    mbpp_plus_process_results,
+)

@@ -32,7 +32,7 @@ from featcal_experiments.reproduce.paper import PAPER
 from featcal_experiments.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
 from featcal_experiments.reproduce.runner import Runner, collect, load_result, world_build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 PAPER_MD = Path("/work/shared/paper/featcal-paper.md")
@@ -95,6 +95,11 @@ def test_every_printed_row_of_every_table_is_in_the_catalog(tmp_path):
 def test_the_paper_numbers_module_is_what_the_extractor_reads_from_the_paper():
     extractor = load_script("extract_paper_numbers")
     assert extractor.extract(PAPER_MD.read_text()) == PAPER
+
+
+def test_table_4s_paper_columns_are_the_product_task_pools_tasks_in_order():
+    path = REPO / "config" / "taskpool" / "LMEvalHarnessTaskPool" / "mergebench_table4.yaml"
+    assert list(yaml.safe_load(path.read_text())["tasks"]) == [c for c in PAPER["4"]["columns"] if c != "average"]
 
 
 def test_offline_world_maps_table_1_and_table_3_base_and_skips_the_rest_with_a_reason(tmp_path):
@@ -389,6 +394,7 @@ def check_composed(cfg, run, catalog, upstream_saves):
         assert list(cfg.taskpool.classification_heads) == list(tasks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["hub", "offline"])
 def test_every_listed_command_composes_with_the_hub_unreachable(composer, tmp_path, world):
     from fusion_bench.modelpool import Seq2SeqLMPool
@@ -429,6 +435,7 @@ def test_the_fast_composer_rejects_what_hydra_rejects(composer, tmp_path):
                 compose_(bad)
 
 
+@pytest.mark.slow
 def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
     catalog = Catalog("hub", tmp_path)
     picks = [catalog.select(["11"], ["adamerging+probsurgery"])[0].runs[0],

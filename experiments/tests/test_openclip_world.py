@@ -15,13 +15,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from featcal_experiments.openclip_convert import openclip_to_hf_state
+from featcal_fusionbench.models.openclip_convert import openclip_to_hf_state
 from featcal_experiments.worlds.clip_world import CLIP_QUICK, CLIPWorldSpec, TaskSpec, build_clip_world
 from featcal_experiments.worlds.registry import ENV_DIR, compose_pools, fusion_bench_args
 from featcal_fusionbench import FeatCalAlgorithm, ProbSurgeryAlgorithm, SurgeryAlgorithm
 from featcal_fusionbench.families.openclip_vision import vision_tower
 from fusion_bench.method import TaskArithmeticAlgorithm
 from fusion_bench.utils import instantiate
+
+pytestmark = pytest.mark.slow  # the tests build a world and run both pools
 
 MINI_QUICK = CLIPWorldSpec(
     name="clip-quick",

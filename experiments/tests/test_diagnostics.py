@@ -8,7 +8,9 @@ import pytest
 
 from featcal_experiments.worlds import registry
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # the diagnostics run fusion_bench
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def load_script():

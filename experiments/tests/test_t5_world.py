@@ -18,8 +18,10 @@ from featcal_experiments.worlds.t5_world import (
 from featcal_experiments.worlds.text_sources import TaskSizes
 from fusion_bench.utils import instantiate
 
+pytestmark = pytest.mark.slow  # the tests build a reduced text world
 
-REPO = Path(__file__).resolve().parents[1]
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Two of the world's tasks, one scored by accuracy and one by Spearman's rho; a few examples and steps.
 MINI = T5WorldSpec(

@@ -24,6 +24,8 @@ from featcal_experiments.worlds.llm_scoring import (  # noqa: E402
 from featcal_experiments.worlds.llm_world import LLMWorldSpec, build_llm_world, regime_table  # noqa: E402
 from featcal_experiments.worlds.registry import ENV_DIR, pool_configs  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the LLM world's fixtures build a world, and its tests run lm-eval
+
 MINI = LLMWorldSpec(
     sizes={"train": 16, "validation": 2, "test": 4}, finetune_steps={"math": 2, "code": 1, "instruction": 2}, finetune_batch=2,
     eval_limit=1, task_arithmetic_grid=[0.3], max_gen_toks_cap=8,

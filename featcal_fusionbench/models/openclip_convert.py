@@ -1,16 +1,23 @@
-"""HF CLIP vision towers as open_clip ``VisionTransformer``s with the same weights, and back.
+"""HF CLIP vision towers as open_clip ``VisionTransformer``s with the same weights, and back; and the HF CLIP
+tokenizer's files from the BPE vocabulary that ships inside open_clip's wheel.
 
 The two libraries hold the same network under other names: HF's q/k/v projections are the three row blocks of
 open_clip's fused ``in_proj_weight``; ``fc1``/``fc2`` are ``c_fc``/``c_proj``; ``layer_norm1/2`` are ``ln_1/ln_2``;
 ``pre_layrnorm``/``post_layernorm`` are ``ln_pre``/``ln_post``; HF's ``visual_projection`` is ``proj`` transposed.
-This is what the exactness tests between the ``clip_vision`` and ``openclip_vision`` families stand on.
+This is what the exactness tests between the ``clip_vision`` and ``openclip_vision`` families stand on, and how the
+experiments serve an HF-trained world through OpenCLIP pools.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
+from importlib import resources
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
+from open_clip.tokenizer import bytes_to_unicode
 from open_clip.transformer import QuickGELU, VisionTransformer
 from torch import Tensor, nn
 from transformers import CLIPVisionModel
@@ -91,3 +98,35 @@ def openclip_to_hf_state(tower: VisionTransformer) -> Dict[str, Tensor]:
             for key, rows in zip(_qkv(prefix, kind), source[f"transformer.resblocks.{i}.attn.{fused}"].chunk(3)):
                 state[key] = rows
     return state
+
+
+# Same cut as CLIP's and open_clip's tokenizers: 49,152 - 256 - 2 merges, then the
+# byte alphabet, its '</w>' forms, the merges, and the two special tokens = 49,408 ids.
+_NUM_MERGES = 49152 - 256 - 2
+START, END = "<|startoftext|>", "<|endoftext|>"
+
+
+def write_clip_tokenizer_files(directory: Path) -> tuple[Path, Path]:
+    """Write vocab.json and merges.txt for transformers' (slow) ``CLIPTokenizer``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe = resources.files("open_clip").joinpath("bpe_simple_vocab_16e6.txt.gz").read_bytes()
+    lines = gzip.decompress(bpe).decode("utf-8").split("\n")[1 : _NUM_MERGES + 1]
+    merges = [tuple(line.split()) for line in lines]
+    vocab = list(bytes_to_unicode().values())
+    vocab = vocab + [v + "</w>" for v in vocab]
+    vocab += ["".join(m) for m in merges]
+    vocab += [START, END]
+    vocab_path = directory / "vocab.json"
+    merges_path = directory / "merges.txt"
+    vocab_path.write_text(json.dumps({token: i for i, token in enumerate(vocab)}))
+    merges_path.write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    return vocab_path, merges_path
+
+
+def clip_tokenizer(directory: Path):
+    """A slow ``CLIPTokenizer`` (the fast one does not match open_clip's ids)."""
+    from transformers import CLIPTokenizer
+
+    vocab_path, merges_path = write_clip_tokenizer_files(directory)
+    return CLIPTokenizer(str(vocab_path), str(merges_path))

@@ -14,7 +14,9 @@ import torch
 from featcal_experiments.reproduce.catalog import TA8, Catalog
 from featcal_experiments.reproduce.estimate import TEST_IMAGES, by_setting, eval_seconds, table_estimate
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # the benchmarks run calibrations in processes of their own
+
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "experiments" / "scripts"))
 import bench_calibration  # noqa: E402
 import bench_rows  # noqa: E402

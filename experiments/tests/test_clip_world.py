@@ -14,8 +14,10 @@ from featcal_experiments.worlds.clip_world import CLIP8, CLIP_QUICK, CLIPWorldSp
 from featcal_experiments.worlds.registry import ENV_DIR, compose_pools
 from fusion_bench.utils import instantiate
 
+pytestmark = pytest.mark.slow  # the tests build a world and run fusion_bench
 
-REPO = Path(__file__).resolve().parents[1]
+
+REPO = Path(__file__).resolve().parents[2]
 
 # The tasks of the packaged `offline_clip2` configs, so those configs serve this reduced world.
 MINI = CLIPWorldSpec(
