@@ -1,11 +1,12 @@
-"""Label-free choice of lambda, rho and alpha (issue 27): options, candidate grids, the held-out split and the
-criteria, as plain data and math. No module, hook or device here: ``autoselect`` does the model plumbing.
+"""Label-free choice of lambda, rho and alpha (issue 27): options, candidate grids and the criteria, as plain data.
+No module, hook or device here: ``policy`` and ``search`` do the model plumbing, ``core`` holds the math (the
+held-out objective, the meters, the held-out split).
 
 Three criteria score a candidate on the held-out part of each task's unlabeled calibration examples:
 
 - ``objective`` (lower is better): the per-block quadratic objective that the closed form minimises, on held-out
   moments, with the expert's own features as the target (alpha = 1) and no ridge term, so that candidates with
-  different alpha, rho and lambda are scored against the same thing. Chosen per block (``autoselect``): one
+  different alpha, rho and lambda are scored against the same thing. Chosen per block (``policy``): one
   calibration's forwards serve every candidate, whose solves reuse the block's fit-split moments.
 - ``drift`` (higher is better): mean cosine similarity of the calibrated model's last-block output to the task
   expert's, over held-out tokens.

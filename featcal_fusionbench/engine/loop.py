@@ -1,19 +1,18 @@
-"""The forward-order calibration loop (paper Algorithm 1).
+"""The forward-order calibration loop (paper Algorithm 1); ``docs/architecture.md`` draws one block.
 
 For each block, in forward order:
-  1. snapshot: the still-uncalibrated block runs on the calibrated prefix's hidden
-     states, and expert i's own block on expert i's hidden states for task i's
-     samples; forward pre-hooks capture every calibrated module's input and the
-     moments stream into per-task sums (one set per shared input, e.g. q/k/v);
-  2. solve: each task's moments are folded into omega-weighted sums as soon as
-     the task is done (memory does not grow with the number of tasks), then
-     weights (Eq. 17), biases (Eq. 55) and norm affines (Eq. 59) are solved;
-  3. load all of the block's new parameters together, and only then advance the
-     calibrated hidden states through the calibrated block.
-Experts and the base model stay where they are (host memory); only the block in
-use visits the device. Every task's hidden-state streams live in a ``StreamStore``
-(``streams``): on the device within a byte budget, spilled to host or disk beyond it. Everything model-specific comes from the model family
-(``families``): the walk, the calibrated sites and their parameters, token weights.
+  1. collect: for each task, the block's step (``step.BlockStep``) runs the still-uncalibrated block on the
+     calibrated prefix's hidden states and expert i's own block on expert i's; forward pre-hooks capture every
+     calibrated module's input and the task's moments stream in (one set per shared input, e.g. q/k/v);
+  2. choose and solve: the block's hyperparameter choice (``policy``) folds each task's moments into its sums as
+     soon as the task is done (memory does not grow with the number of tasks), then solves weights (Eq. 17),
+     biases (Eq. 55) and norm affines (Eq. 59);
+  3. write: the block's new parameters are loaded together, and only then do the calibrated hidden states advance
+     through the calibrated block.
+Experts and the base model stay where they are (host memory); only the block in use visits the device. Every
+task's hidden-state streams live in a ``StreamStore`` (``streams``): on the device within a byte budget, spilled to
+host or disk beyond it. Everything model-specific comes from the model family (``families``): the walk, the
+calibrated sites and their parameters, token weights.
 """
 
 from __future__ import annotations
@@ -146,8 +145,8 @@ class FeatCalEngine:
         task_batches: Mapping[str, Iterable[Any]],
         heldout_batches: Optional[Mapping[str, Iterable[Any]]] = None,
     ) -> Dict[str, Any]:
-        """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches``
-        (with a policy that ``needs_heldout`` only): each task's held-out examples, streamed beside the fit ones and never fitted."""
+        """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches`` (with a
+        policy that ``needs_heldout`` only): each task's held-out examples, streamed beside the fit ones, never fitted."""
         family, hp = self.family, self.hparams
         tasks = list(experts)
         missing = [t for t in tasks if t not in task_batches]
