@@ -3,6 +3,7 @@
 test_family_contract.py (run there on Llama, Mistral, Qwen2 and Gemma-2)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ from featcal_fusionbench.families.sites import RMSNormSite
 from featcal_fusionbench.core.hparams import FeatCalHParams
 
 from helpers import (
-    CHAT, byte_tokenizer, causal_lm_batch, causal_lm_forward, independent_linear_solve, recorded_inputs, tiny_causal_lm,
-    tiny_causal_lm_world,
+    CHAT, byte_tokenizer, causal_lm_batch, causal_lm_forward, independent_linear_solve, perturbed, recorded_inputs,
+    tiny_causal_lm, tiny_causal_lm_world,
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "gemma2")
@@ -479,6 +480,71 @@ def test_a_saved_merged_model_is_loaded_in_the_bases_dtype(tmp_path):
     base.save_pretrained(tmp_path / "merged")
     merged, source = load_merged_model(type("Pool", (), {"has_merged": False})(), None, str(tmp_path / "merged"), None, base)
     assert merged.dtype == torch.bfloat16 and source == f"path:{tmp_path / 'merged'}"
+
+
+def mergekit_layout(model, folder):
+    """``model`` saved as mergekit writes a merge: safetensors shards, their index and the config."""
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
+    return folder
+
+
+def edit_checkpoint(folder, edit):
+    """Apply ``edit`` (a function of the tensors' dict) to every shard and rewrite the index."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for shard in sorted({*index["weight_map"].values()}):
+        tensors = edit(load_file(folder / shard))
+        save_file(tensors, folder / shard, metadata={"format": "pt"})
+        weight_map.update({k: shard for k in tensors})
+    index["weight_map"] = weight_map
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def never_loaded(monkeypatch, cls):
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained ran before the checkpoint was checked")
+
+    monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda *a, **k: refuse()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_merge_written_as_mergekit_writes_it_is_checked_and_loaded(arch, tmp_path):
+    """Sharded safetensors with an index: every tensor named and shaped as the base's (Gemma-2's tied head stored
+    once, as the embedding) loads, equal to what was saved."""
+    from featcal_fusionbench.integration.upstream import load_saved_model
+
+    base = tiny_causal_lm(arch)
+    if arch == "gemma2":
+        base.config.tie_word_embeddings = True
+        base.tie_weights()
+    merged = perturbed(base, 0.05, 1)
+    loaded = load_saved_model(str(mergekit_layout(merged, tmp_path / "merge")), base)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), merged.state_dict().values()))
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda t: {k.replace("layers.1.mlp.down_proj", "layers.1.mlp.down"): v for k, v in t.items()},
+     ["model.layers.1.mlp.down_proj.weight (32, 48) is missing",
+      "model.layers.1.mlp.down.weight (32, 48) is not a tensor of the pretrained model"]),
+    (lambda t: {k: v[:, :40].contiguous() if k == "model.layers.0.mlp.down_proj.weight" else v for k, v in t.items()},
+     ["model.layers.0.mlp.down_proj.weight is (32, 40) where the pretrained model has (32, 48)"]),
+    (lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"}, ["model.norm.weight (32,) is missing"]),
+], ids=["renamed", "reshaped", "missing"])
+def test_a_merge_whose_tensors_differ_from_the_bases_fails_naming_them_before_any_is_read(edit, named, tmp_path,
+                                                                                            monkeypatch):
+    from featcal_fusionbench.integration.upstream import load_saved_model
+
+    base = tiny_causal_lm("llama")
+    folder = mergekit_layout(base, tmp_path / "merge")
+    edit_checkpoint(folder, edit)
+    never_loaded(monkeypatch, type(base))
+    with pytest.raises(ValueError) as error:
+        load_saved_model(str(folder), base)
+    assert str(error.value).startswith(f"merged_model_path at {folder} does not match the pretrained model: ")
+    assert all(n in str(error.value) for n in named), str(error.value)
 
 
 @pytest.mark.slow

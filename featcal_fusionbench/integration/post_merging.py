@@ -55,7 +55,7 @@ class PostMergingMixin:
         return tasks
 
     def load_base_and_experts(self, modelpool, tasks, lazy: bool = False) -> Tuple[nn.Module, Dict[str, nn.Module]]:
-        """``lazy``: skeletons that read each block from the checkpoint when it is used (``lazy_models``)."""
+        """``lazy``: skeletons that read each block from the checkpoint when it is used (``models.lazy``)."""
         base = load_pool_model_lazily(modelpool, "_pretrained_") if lazy else modelpool.load_pretrained_model()
         return base, self.load_experts(modelpool, tasks, base, lazy)
 

@@ -16,6 +16,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from ..models.checks import check_checkpoint_matches
+
 log = logging.getLogger(__name__)
 
 
@@ -53,11 +55,13 @@ def check_upstream_source(modelpool, upstream: Any, merged_model_path: Optional[
 
 
 def load_saved_model(path: str, reference: nn.Module) -> nn.Module:
-    """A merged model saved by FusionBench's ``merged_model_save_path``: a ``save_pretrained`` folder (HF models), or
-    the state dict file that ``BaseModelPool.save_model`` writes for other models (OpenCLIP's ``ImageEncoder``),
-    loaded into a copy of ``reference`` (the base: same class and keys)."""
+    """A merged model saved by FusionBench's ``merged_model_save_path`` or by another merger (mergekit): a
+    ``save_pretrained`` folder (HF models; a local safetensors one is checked against ``reference``'s tensor names and
+    shapes before any tensor is read), or the state dict file that ``BaseModelPool.save_model`` writes for other
+    models (OpenCLIP's ``ImageEncoder``), loaded into a copy of ``reference`` (the base: same class and keys)."""
     loader = getattr(type(reference), "from_pretrained", None)
     if loader is not None:
+        check_checkpoint_matches(path, reference, "merged_model_path")
         # In the base's dtype: from_pretrained's default is float32, which would double a bf16 LLM.
         dtype = getattr(reference, "dtype", None)
         return loader(path, **({"torch_dtype": dtype} if isinstance(dtype, torch.dtype) else {}))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Collection
 
 from torch import nn
+
+from .lazy import SAFETENSORS_FILE, SAFETENSORS_INDEX, CheckpointTensors, tied_names
 
 log = logging.getLogger(__name__)
 
@@ -39,3 +42,30 @@ def check_same_architecture(reference: nn.Module, model: nn.Module, name: str,
                 f"{name} has a different shape for {key}: {tuple(state[key].shape)} "
                 f"where the pretrained model has {tuple(tensor.shape)}"
             )
+
+
+def check_checkpoint_matches(folder, reference: nn.Module, name: str, shapes_may_differ: Collection[str] = ()) -> bool:
+    """Raise naming the tensor when a safetensors checkpoint folder's tensor names or shapes differ from
+    ``reference``'s, from the files' headers, before any tensor is read; ``shapes_may_differ`` as in
+    ``check_same_architecture``. ``from_pretrained`` would initialise a tensor the checkpoint lacks at random and pass
+    over one it does not know, with a warning. Returns False (nothing checked) for a folder without safetensors."""
+    folder = Path(folder)
+    if not ((folder / SAFETENSORS_FILE).is_file() or (folder / SAFETENSORS_INDEX).is_file()):
+        return False
+    held = CheckpointTensors(folder).shapes()
+    aliases = tied_names(reference)
+    expected = {key: tuple(tensor.shape) for key, tensor in reference.state_dict().items()}
+    found, problems = set(), []
+    for key, shape in expected.items():
+        stored = next((k for k in (key, *aliases.get(key, ())) if k in held), None)
+        if stored is None:
+            problems.append(f"{key} {shape} is missing")
+            continue
+        found.add(stored)
+        if held[stored] != shape and key not in shapes_may_differ:
+            problems.append(f"{stored} is {held[stored]} where the pretrained model has {shape}")
+    problems += [f"{key} {held[key]} is not a tensor of the pretrained model" for key in sorted(set(held) - found)]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"{name} at {folder} does not match the pretrained model: {'; '.join(problems[:5])}{more}")
+    return True

@@ -49,6 +49,15 @@ class CheckpointTensors:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Every tensor's shape, from the files' headers alone (no tensor is read)."""
+        out = {}
+        for path in sorted(set(self.files.values())):
+            with open(path, "rb") as f:
+                header, _ = _safetensors_header(f)
+            out.update({key: tuple(entry["shape"]) for key, entry in header.items()})
+        return out
+
     def read(self, keys: Iterable[str]) -> Dict[str, torch.Tensor]:
         """The tensors, each read from its file into a fresh allocation of its own. Not through a memory map: the
         mapped pages would count in the process's RSS beside the copies a model keeps (at 1B scale that doubled an
@@ -172,19 +181,25 @@ def load_lazily(model_class, folder, torch_dtype: Optional[Any] = None) -> nn.Mo
         build = model_class.from_config if auto else model_class._from_config
         model = build(config, torch_dtype=dtype)
     model.eval()
-    # a tied parameter has several names; the checkpoint holds one of them
+    aliases = tied_names(model)
+    for prefix, module in model.named_modules():
+        module._featcal_source = _Source(tensors, prefix, aliases, dtype)
+    return model
+
+
+def tied_names(model: nn.Module) -> Dict[str, List[str]]:
+    """A parameter name -> the other names of the same tensor, one of which a checkpoint may hold instead."""
     names_of = defaultdict(list)
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names_of[id(parameter)].append(name)
     aliases = {name: [n for n in names if n != name] for names in names_of.values() for name in names}
-    # tied input / output embeddings that the empty skeleton did not tie: the checkpoint holds the input's
-    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+    # tied input / output embeddings that an empty skeleton did not tie: the checkpoint holds the input's
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
         module_names = {id(m): n for n, m in model.named_modules()}
         output, input_ = (module_names[id(m)] for m in (model.get_output_embeddings(), model.get_input_embeddings()))
         aliases.setdefault(f"{output}.weight", []).append(f"{input_}.weight")
-    for prefix, module in model.named_modules():
-        module._featcal_source = _Source(tensors, prefix, aliases, dtype)
-    return model
+    return aliases
 
 
 # The class each FusionBench pool loads a plain path with (CLIP's pool loads the vision tower of a full CLIP).
@@ -237,4 +252,5 @@ def checkpoint_folder(name_or_path: str) -> Path:
     return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
 
 
-__all__ = ["CheckpointTensors", "checkpoint_folder", "is_lazy", "load_lazily", "load_pool_model_lazily", "materialize", "release"]
+__all__ = ["CheckpointTensors", "checkpoint_folder", "is_lazy", "load_lazily", "load_pool_model_lazily", "materialize", "release",
+           "tied_names"]
