@@ -105,7 +105,7 @@ def budget_scores(row: Row, results: Dict[str, dict], catalog: Catalog) -> Budge
 
 def calibrator_report(catalog: Catalog, run) -> dict:
     """The ``<calibrator>_report.json`` a calibrator wrote into its run folder (the name every calibrator of this
-    plugin saves its report under: FeatCal's REPORT_NAME, the baselines' report_name; tests/test_reproduce.py holds
+    plugin saves its report under: FeatCal's REPORT_NAME, the baselines' report_name; experiments/tests/test_reproduce.py holds
     the two to each other); {} where there is none."""
     try:
         report = json.loads((catalog.run_dir(run.id) / f"{run.calibrator}_report.json").read_text())
