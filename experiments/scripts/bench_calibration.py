@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from featcal_fusionbench.integration.post_merging import peak_rss_bytes
 from featcal_fusionbench.integration.reporting import machine_line
 
 ARCHS = {
@@ -178,7 +178,7 @@ def run_surgery(args, config, base, merged, experts, images, device, cls, steps=
 
 
 class RSSSampler:
-    """Peak resident memory over a region, sampled: ru_maxrss cannot be reset after the models are built."""
+    """Peak resident memory over a region, sampled: the process's peak cannot be reset after the models are built."""
 
     def __init__(self, interval: float = 0.01):
         import threading
@@ -216,7 +216,7 @@ def stage_figures(seconds: float, floor: float, rss: "RSSSampler", device: torch
         "seconds": seconds,
         "forward_floor_seconds": floor,
         "ratio_to_floor": seconds / floor,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
         "rss_at_start_bytes": rss.start_bytes,
         "peak_rss_during_bytes": rss.peak_bytes,
         "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,

@@ -5,8 +5,10 @@
 
 Checkpoints with the architecture's real shapes and seeded random weights (cost does not depend on the values) are
 written once to ``--workdir``: the base, ``--tasks`` experts (base plus small noise) and their Task Arithmetic merge
-(0.3). They are sharded one decoder layer per file, so that writing them never holds a whole model. Each loading mode
-(``--modes``) then runs in a fresh process, so that the process's peak RSS is that mode's own. A mode process loads
+(0.3). They are sharded one decoder layer (or one other tensor) per file and written a model at a time, so that
+writing them never holds a whole model. Each loading mode
+(``--modes``) then runs in a fresh process, so that the process's peak RSS is that mode's own (its high-water mark:
+``ru_maxrss`` would carry the parent's checkpoint-writing peak across fork and exec). A mode process loads
 the merged model whole, as FusionBench evaluates and saves it. It loads the base and experts whole (``eager``) or
 as skeletons that read each block when it is used (``lazy``: ``method.lazy_loading``). It then times the forward
 floor and FeatCal's calibration stage.
@@ -64,13 +66,16 @@ def llama_config(arch: str, dtype: str, layers: Optional[int] = None):
 
 
 def write_checkpoints(args, root: Path) -> dict:
-    """base/, expert<i>/, merged/ under ``root``, each one shard per decoder layer (plus one for the rest), with
-    an HF index. Done once per (arch, layers, tasks, dtype): a ``spec.json`` says what a folder holds."""
+    """base/, expert<i>/, merged/ under ``root``, one shard per decoder layer and one per other tensor, with an HF
+    index. A shard is generated and written one model at a time (the base's tensors, then each expert's, then the
+    merge accumulated from their deltas), so that at most three copies of one shard's tensors are held: at the 8B
+    shape a vocabulary-sized shard is 2.1 GB a model. Done once per (arch, layers, tasks, dtype): a ``spec.json``
+    says what a folder holds."""
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.dtype, "seed": 0,
+    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.dtype, "seed": 0, "writer": 2,
             **({} if args.layers is None else {"layers": args.layers})}
     names = ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]
     if (root / "spec.json").is_file() and json.loads((root / "spec.json").read_text()) == spec:
@@ -81,28 +86,35 @@ def write_checkpoints(args, root: Path) -> dict:
     shapes = {k: v.shape for k, v in skeleton.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     groups = {}
     for key in shapes:
-        layer = key.split(".")[2] if key.startswith("model.layers.") else "rest"
-        groups.setdefault(layer, []).append(key)
+        group = key.split(".")[2] if key.startswith("model.layers.") else key
+        groups.setdefault(group, []).append(key)
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
     index = {n: {} for n in names}
     for n in names:
         (root / n).mkdir(parents=True, exist_ok=True)
         config.save_pretrained(root / n)
-    for number, (layer, keys) in enumerate(groups.items(), start=1):
-        tensors = {n: {} for n in names}
-        for key in keys:
-            base = torch.ones(shapes[key]) if key.endswith("norm.weight") else 0.02 * torch.randn(shapes[key], generator=generator)
-            merged = base.clone()
-            for i in range(args.tasks):
-                delta = 1e-3 * torch.randn(shapes[key], generator=generator)
-                tensors[f"expert{i}"][key] = (base + delta).to(dtype)
-                merged += 0.3 * delta
-            tensors["base"][key], tensors["merged"][key] = base.to(dtype), merged.to(dtype)
+    for number, keys in enumerate(groups.values(), start=1):
         shard = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
-        for n in names:
-            save_file(tensors[n], str(root / n / shard), metadata={"format": "pt"})
-            index[n].update({key: shard for key in keys})
+
+        def write(name, tensors):
+            save_file({k: v.to(dtype) for k, v in tensors.items()}, str(root / name / shard), metadata={"format": "pt"})
+            index[name].update({key: shard for key in keys})
+
+        base = {k: torch.ones(shapes[k]) if k.endswith("norm.weight") else 0.02 * torch.randn(shapes[k], generator=generator)
+                for k in keys}
+        write("base", base)
+        merged = {k: v.clone() for k, v in base.items()}
+        for i in range(args.tasks):
+            expert = {}
+            for k in keys:
+                delta = 1e-3 * torch.randn(shapes[k], generator=generator)
+                merged[k].add_(delta, alpha=0.3)
+                expert[k] = delta.add_(base[k])
+            write(f"expert{i}", expert)
+            del expert
+        write("merged", merged)
+        del base, merged
     for n in names:
         (root / n / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index[n]}))
     (root / "spec.json").write_text(json.dumps(spec))

@@ -88,11 +88,22 @@ class PostMergingMixin:
         log.info("%s report saved to %s", self.method_name, path)
 
 
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory: the kernel's high-water mark of its address space (Linux VmHWM).
+    ``ru_maxrss`` is not that: Linux carries a parent's peak into a child across fork and exec, so a process started
+    by one that once held 11 GiB reports at least 11 GiB. Elsewhere, ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory(device) -> Dict[str, Any]:
     """Peak host RSS of this process so far (models, data and the calibration stage; evaluation comes later) and,
     on CUDA, peak allocated device memory."""
     device = torch.device(device)
     return {
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
