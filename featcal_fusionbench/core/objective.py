@@ -18,8 +18,9 @@ class HeldoutObjective:
     """Held-out moments of one block summed over tasks, and the objective of any candidate's solution on them.
 
     The objective is quadratic in the solution, so its task sums are sufficient: like the solve's own sums
-    (``block_sums.BlockSums``; both are ``block_sums.TaskSums``), memory does not grow with the number of tasks. Per linear module, with each task's
-    omega_i from its held-out Gram (Eq. 14) and y = W_i x_exp + b_i the expert module's output:
+    (``block_sums.BlockSums``; both are ``block_sums.TaskSums``), memory does not grow with the number of tasks. Per
+    linear module, with each task's omega_i from its held-out Gram (Eq. 14) and y = W_i x_exp + b_i the expert
+    module's output:
 
         sum_i omega_i E_w ||W x_cal + b - y||^2
           = tr(W G W^T) - 2 <W, Y> + 2 b.(W m) + Omega |b|^2 - 2 b.e + const,

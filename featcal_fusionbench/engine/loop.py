@@ -146,7 +146,8 @@ class FeatCalEngine:
         heldout_batches: Optional[Mapping[str, Iterable[Any]]] = None,
     ) -> Dict[str, Any]:
         """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches`` (with a
-        policy that ``needs_heldout`` only): each task's held-out examples, streamed beside the fit ones, never fitted."""
+        policy that ``needs_heldout`` only): each task's held-out examples, streamed beside the fit ones, never
+        fitted."""
         family, hp = self.family, self.hparams
         tasks = list(experts)
         missing = [t for t in tasks if t not in task_batches]

@@ -144,7 +144,8 @@ class BlockStep:
         for shared in group_shared_inputs(captured, linear):
             by_profile: Dict[Hashable, List[str]] = {}
             for name in shared:
-                by_profile.setdefault(self.family.weight_profile(self.plan.index, self.num_blocks, name), []).append(name)
+                profile = self.family.weight_profile(self.plan.index, self.num_blocks, name)
+                by_profile.setdefault(profile, []).append(name)
             groups.extend(LinearGroup(names, profile) for profile, names in by_profile.items())
         return groups
 
