@@ -576,6 +576,26 @@ def test_a_merge_whose_tensors_differ_from_the_bases_fails_naming_them_before_an
     assert all(n in str(error.value) for n in named), str(error.value)
 
 
+def test_an_expert_or_pool_merge_whose_tensors_differ_fails_before_the_pool_loads_it(tmp_path):
+    """The same check for the pool's experts and its `_merged_`, which the pool would load with from_pretrained."""
+    from fusion_bench.modelpool import CausalLMPool
+
+    from featcal_fusionbench.integration.post_merging import PostMergingMixin
+    from featcal_fusionbench.integration.upstream import load_merged_model
+
+    base = tiny_causal_lm("llama")
+    base.save_pretrained(tmp_path / "base")
+    for name in ("math", "merged"):
+        edit_checkpoint(mergekit_layout(perturbed(base, 0.05, 1), tmp_path / name),
+                        lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"})
+    pool = CausalLMPool(models={"_pretrained_": str(tmp_path / "base"), "math": str(tmp_path / "math"),
+                                "_merged_": str(tmp_path / "merged")}, tokenizer=None)
+    with pytest.raises(ValueError, match=r"expert 'math' at .* does not match the pretrained model: model\.norm\.weight \(32,\) is missing"):
+        PostMergingMixin().load_experts(pool, ["math"], base)
+    with pytest.raises(ValueError, match=r"the pool's `_merged_` at .* model\.norm\.weight \(32,\) is missing"):
+        load_merged_model(pool, None, None, None, base)
+
+
 @pytest.mark.slow
 def test_lazy_loading_through_the_cli_calibrates_exactly_as_whole_models(tiny_llama_pool, tmp_path):
     """`method.lazy_loading=true`: the base and experts are read from the pool's safetensors folders one block at a

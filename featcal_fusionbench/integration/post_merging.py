@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..families import family_class_for
-from ..models.checks import check_same_architecture
+from ..models.checks import check_pool_checkpoint, check_same_architecture
 from ..models.lazy import load_pool_model_lazily
 from .data import check_splits
 from .hub_access import check_hub_access, fetch_only_loaded_files, hub_id, pool_sources
@@ -63,6 +63,8 @@ class PostMergingMixin:
         tolerated = family_class_for(base).shapes_may_differ(base)
         experts = {}
         for task in tasks:
+            # from the checkpoint's headers first: from_pretrained would fill a missing tensor at random
+            check_pool_checkpoint(modelpool, task, base, f"expert {task!r}", tolerated)
             experts[task] = load_pool_model_lazily(modelpool, task) if lazy else modelpool.load_model(task)
             check_same_architecture(base, experts[task], f"expert {task!r}", tolerated)
         return experts

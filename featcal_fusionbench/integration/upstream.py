@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..models.checks import check_checkpoint_matches
+from ..models.checks import check_checkpoint_matches, check_pool_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def load_merged_model(
     if modelpool.has_merged:
         if upstream is not None:
             log.warning("the pool has `_merged_`: the upstream method config is not run")
+        check_pool_checkpoint(modelpool, "_merged_", reference, "the pool's `_merged_`")
         return modelpool.load_model("_merged_"), "pool:_merged_"
     method = instantiate_upstream(upstream, parent)
     log.info("running the upstream merger %s", describe_upstream(upstream))

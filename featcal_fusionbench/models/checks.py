@@ -8,7 +8,7 @@ from typing import Collection
 
 from torch import nn
 
-from .lazy import SAFETENSORS_FILE, SAFETENSORS_INDEX, CheckpointTensors, tied_names
+from .lazy import SAFETENSORS_FILE, SAFETENSORS_INDEX, CheckpointTensors, entry_path, tied_names
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +69,13 @@ def check_checkpoint_matches(folder, reference: nn.Module, name: str, shapes_may
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ValueError(f"{name} at {folder} does not match the pretrained model: {'; '.join(problems[:5])}{more}")
     return True
+
+
+def check_pool_checkpoint(modelpool, name: str, reference: nn.Module, label: str,
+                          shapes_may_differ: Collection[str] = ()) -> bool:
+    """``check_checkpoint_matches`` for the pool's model ``name`` where its entry is a local safetensors folder (a
+    hub id, a live module, or a pool that does not say where its models are, is not checked here); before the pool
+    loads it."""
+    entry = getattr(modelpool, "get_model_config", None)
+    path = None if entry is None else entry_path(entry(name, return_copy=False))
+    return path is not None and check_checkpoint_matches(path, reference, label, shapes_may_differ)

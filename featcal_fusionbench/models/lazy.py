@@ -14,6 +14,7 @@ Buffers are built for real (``init_empty_weights(include_buffers=False)``): non-
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -223,17 +224,28 @@ def load_pool_model_lazily(modelpool, name: str) -> nn.Module:
     raw = getattr(modelpool, "model_kwargs", None) or {}
     kwargs = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
     class_name = next((c for p, c in POOL_MODEL_CLASSES.items() if any(t.__name__ == p for t in type(modelpool).__mro__)), None)
+    path = entry_path(entry)
     if isinstance(entry, (Mapping, DictConfig)):
         entry = OmegaConf.to_container(entry, resolve=True) if isinstance(entry, DictConfig) else dict(entry)
-        path = entry.get("pretrained_model_name_or_path")
         target = entry.get("_target_", "")
         class_name = target.removesuffix(".from_pretrained").rsplit(".", 1)[-1] or class_name
         kwargs.update({k: v for k, v in entry.items() if k == "torch_dtype"})
-    else:
-        path = entry
     if not path or class_name is None or not hasattr(transformers, class_name):
         raise TypeError(f"lazy loading cannot tell the checkpoint and class of the pool's {name!r} ({entry!r})")
     return load_lazily(getattr(transformers, class_name), checkpoint_folder(str(path)), kwargs.get("torch_dtype"))
+
+
+def entry_path(entry: Any) -> Optional[str]:
+    """The checkpoint a pool entry names: the entry itself (a path or hub id), or its config's
+    ``pretrained_model_name_or_path``; None for a live module or a config without one."""
+    from omegaconf import DictConfig
+
+    if isinstance(entry, (str, os.PathLike)):
+        return str(entry)
+    if isinstance(entry, (Mapping, DictConfig)):
+        path = entry.get("pretrained_model_name_or_path")
+        return None if path is None else str(path)
+    return None
 
 
 def _dtype(torch_dtype) -> torch.dtype:
@@ -252,5 +264,5 @@ def checkpoint_folder(name_or_path: str) -> Path:
     return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
 
 
-__all__ = ["CheckpointTensors", "checkpoint_folder", "is_lazy", "load_lazily", "load_pool_model_lazily", "materialize", "release",
-           "tied_names"]
+__all__ = ["CheckpointTensors", "checkpoint_folder", "entry_path", "is_lazy", "load_lazily", "load_pool_model_lazily",
+           "materialize", "release", "tied_names"]
