@@ -576,6 +576,27 @@ def test_a_merge_whose_tensors_differ_from_the_bases_fails_naming_them_before_an
     assert all(n in str(error.value) for n in named), str(error.value)
 
 
+def test_a_full_clip_checkpoint_read_as_its_vision_tower_is_not_refused_for_its_text_tower(tmp_path):
+    """A CLIPModel folder holds the text tower too, which CLIPVisionModel.from_pretrained leaves out by design; a
+    missing vision tensor is still named."""
+    from transformers import CLIPModel, CLIPVisionModel
+
+    from featcal_fusionbench.models.checks import check_checkpoint_matches
+    from toy_world import tiny_clip_config
+
+    full = CLIPModel(tiny_clip_config(64))
+    full.save_pretrained(tmp_path / "clip")
+    tower = CLIPVisionModel.from_pretrained(tmp_path / "clip")
+    assert check_checkpoint_matches(tmp_path / "clip", tower, "expert 'x'")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "clip" / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "vision_model.post_layernorm.weight"},
+              tmp_path / "clip" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"vision_model\.post_layernorm\.weight \(32,\) is missing"):
+        check_checkpoint_matches(tmp_path / "clip", tower, "expert 'x'")
+
+
 def test_an_expert_or_pool_merge_whose_tensors_differ_fails_before_the_pool_loads_it(tmp_path):
     """The same check for the pool's experts and its `_merged_`, which the pool would load with from_pretrained."""
     from fusion_bench.modelpool import CausalLMPool
