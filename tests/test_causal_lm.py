@@ -618,18 +618,27 @@ def test_an_expert_or_pool_merge_whose_tensors_differ_fails_before_the_pool_load
 
 
 @pytest.mark.slow
-def test_lazy_loading_through_the_cli_calibrates_exactly_as_whole_models(tiny_llama_pool, tmp_path):
+def test_lazy_loading_and_out_of_core_through_the_cli_calibrate_exactly_as_whole_models(tiny_llama_pool, tmp_path):
     """`method.lazy_loading=true`: the base and experts are read from the pool's safetensors folders one block at a
-    time; the calibrated model is the same, bit for bit."""
-    from safetensors.torch import load_file
+    time; `method.out_of_core=true`: the Task Arithmetic merge too, computed tensor by tensor, and the calibrated
+    model is written block by block to `merged_model_save_path` (shards and their index), then loaded for the task
+    pool. The calibrated model is the same, bit for bit."""
+    from featcal_fusionbench.models.lazy import CheckpointTensors
 
     common = ("method=featcal/causal_lm_ta", "method.num_calibration_examples=8", "method.batch_size=4",
               tiny_llama_pool["search"], "modelpool=tiny_llama", "taskpool=dummy")
-    for lazy in ("false", "true"):
-        fusion_bench_run(tmp_path, *common, f"method.lazy_loading={lazy}", f"path.log_dir={tmp_path / lazy}",
-                         f"merged_model_save_path={tmp_path / lazy / 'calibrated'}")
-    eager, lazily = (load_file(tmp_path / lazy / "calibrated" / "model.safetensors") for lazy in ("false", "true"))
-    assert eager.keys() == lazily.keys() and all(torch.equal(eager[k], lazily[k]) for k in eager)
-    import json
-
-    assert [json.loads((tmp_path / lazy / "featcal_report.json").read_text())["lazy_loading"] for lazy in ("false", "true")] == [False, True]
+    runs = {"whole": (), "lazy": ("method.lazy_loading=true",), "out_of_core": ("method.out_of_core=true",)}
+    for name, options in runs.items():
+        fusion_bench_run(tmp_path, *common, *options, f"path.log_dir={tmp_path / name}",
+                         f"merged_model_save_path={tmp_path / name / 'calibrated'}")
+    saved = {}
+    for name in runs:
+        tensors = CheckpointTensors(tmp_path / name / "calibrated")
+        saved[name] = tensors.read(tensors.files)
+    assert all(saved[name].keys() == saved["whole"].keys() for name in runs)
+    assert all(torch.equal(saved[name][k], saved["whole"][k]) for name in runs for k in saved["whole"])
+    assert (tmp_path / "out_of_core" / "calibrated" / "model.safetensors.index.json").is_file()  # not saved twice
+    reports = {name: json.loads((tmp_path / name / "featcal_report.json").read_text()) for name in runs}
+    modes = [(r["lazy_loading"], r["out_of_core"]) for r in reports.values()]
+    assert modes == [(False, False), (True, False), (False, True)]
+    assert reports["out_of_core"]["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM (out of core)"

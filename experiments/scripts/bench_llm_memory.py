@@ -4,14 +4,18 @@
         --device cpu --json OUT
 
 Checkpoints with the architecture's real shapes and seeded random weights (cost does not depend on the values) are
-written once to ``--workdir``: the base, ``--tasks`` experts (base plus small noise) and their Task Arithmetic merge
-(0.3). They are sharded one decoder layer (or one other tensor) per file and written a model at a time, so that
-writing them never holds a whole model. Each loading mode
-(``--modes``) then runs in a fresh process, so that the process's peak RSS is that mode's own (its high-water mark:
+written once to ``--workdir`` in ``--storage-dtype`` (the hub's LLM checkpoints are bf16; a float32 run converts
+each tensor as it is read): the base, ``--tasks`` experts (base plus small noise) and, unless only ``out_of_core``
+runs, their Task Arithmetic merge (0.3). They are sharded one decoder layer (or one other tensor) per file and
+written a model at a time, so that writing them never holds a whole model. Each loading mode (``--modes``) then runs in a fresh process, so that the process's peak RSS is that mode's own (its high-water mark:
 ``ru_maxrss`` would carry the parent's checkpoint-writing peak across fork and exec). A mode process loads
 the merged model whole, as FusionBench evaluates and saves it. It loads the base and experts whole (``eager``) or
 as skeletons that read each block when it is used (``lazy``: ``method.lazy_loading``). It then times the forward
-floor and FeatCal's calibration stage.
+floor and FeatCal's calibration stage. ``out_of_core`` (``method.out_of_core``) holds no model whole: the merge is
+Task Arithmetic of the lazy base and experts computed tensor by tensor (over the decoder layers, as the LLM configs'
+``merge_backbone``; the embedding and head are the base's), and each calibrated block is written to a
+sharded checkpoint as it finishes (then the embedding, norm and head), as the method does; its floor is the same two
+passes a block at a time, each block read before its passes are timed.
 
 The forward floor is the merged model's decoder stack run twice over every task's tokens. That is one pass per
 stream FeatCal advances (calibrated and expert), with nothing read from disk. Written per mode:
@@ -24,7 +28,9 @@ stream FeatCal advances (calibrated and expert), with nothing read from disk. Wr
 - ``streams``: the hidden-state streams' device budget and peak resident / spilled bytes (``--stream-device-bytes``,
   ``--stream-spill``: ``method.stream_device_bytes`` / ``method.stream_spill``);
 - ``save_*``: saving the calibrated model with ``save_pretrained`` in ``--max-shard-size`` shards, as
-  ``merged_model_save_path`` does. The RSS is taken before and during the save, so any second copy shows.
+  ``merged_model_save_path`` does. The RSS is taken before and during the save, so any second copy shows;
+  out of core, the writing is part of the calibration, and ``output_bytes`` is what it wrote;
+- ``disk_bytes``: each checkpoint folder's size on disk (base, experts, merge).
 """
 
 from __future__ import annotations
@@ -52,10 +58,13 @@ ARCHS = {
                                num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=True),
     "llama-3.1-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=False),
+    # the offline LLM world's base (experiments/docs/offline_llm_world.md): SmolLM2-135M-Instruct
+    "smollm2-135m-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
-MODES = ("lazy", "eager")
+MODES = ("lazy", "eager", "out_of_core")
 
 
 def llama_config(arch: str, dtype: str, layers: Optional[int] = None):
@@ -75,12 +84,13 @@ def write_checkpoints(args, root: Path) -> dict:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.dtype, "seed": 0, "writer": 2,
-            **({} if args.layers is None else {"layers": args.layers})}
-    names = ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]
+    with_merge = set(args.modes.split(",")) != {"out_of_core"}
+    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.storage_dtype, "seed": 0, "writer": 2,
+            **({} if args.layers is None else {"layers": args.layers}), **({} if with_merge else {"merged": False})}
+    names = ["base", *(f"expert{i}" for i in range(args.tasks)), *(["merged"] if with_merge else [])]
     if (root / "spec.json").is_file() and json.loads((root / "spec.json").read_text()) == spec:
         return {n: root / n for n in names}
-    config = llama_config(args.arch, args.dtype, args.layers)
+    config = llama_config(args.arch, args.storage_dtype, args.layers)
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
     shapes = {k: v.shape for k, v in skeleton.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -88,7 +98,7 @@ def write_checkpoints(args, root: Path) -> dict:
     for key in shapes:
         group = key.split(".")[2] if key.startswith("model.layers.") else key
         groups.setdefault(group, []).append(key)
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.storage_dtype)
     generator = torch.Generator().manual_seed(0)
     index = {n: {} for n in names}
     for n in names:
@@ -113,7 +123,8 @@ def write_checkpoints(args, root: Path) -> dict:
                 expert[k] = delta.add_(base[k])
             write(f"expert{i}", expert)
             del expert
-        write("merged", merged)
+        if with_merge:
+            write("merged", merged)
         del base, merged
     for n in names:
         (root / n / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index[n]}))
@@ -146,6 +157,77 @@ def forward_floor(merged, batches, device) -> float:
     return time.perf_counter() - started
 
 
+@torch.no_grad()
+def blockwise_forward_floor(merged, batches, device) -> float:
+    """The two passes of ``forward_floor`` a block at a time, on a lazy model: each block is read onto the device,
+    then its passes are timed (the reading is not)."""
+    from featcal_fusionbench.families.causal_lm import CausalLMFamily
+    from featcal_fusionbench.models.residency import on_device
+
+    family = CausalLMFamily()
+    with on_device(family.stem_modules(merged), device):
+        states = [family.embed(merged, {k: v.to(device) for k, v in batch.items()})
+                  for task_batches in batches.values() for batch in task_batches]
+    seconds = 0.0
+    for block in family.blocks(merged):
+        with on_device([block], device):
+            sync(device)
+            started = time.perf_counter()
+            for b, (hidden, meta) in enumerate(states):
+                for _ in range(2):  # the calibrated stream and the expert's
+                    out = family.run_block(block, hidden, meta)
+                states[b] = (out, meta)
+            sync(device)
+            seconds += time.perf_counter() - started
+    return seconds
+
+
+def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict:
+    """``method.out_of_core``'s work: Task Arithmetic computed per tensor, each calibrated block written as it
+    finishes."""
+    from transformers import LlamaForCausalLM
+
+    from featcal_fusionbench.engine.loop import FeatCalEngine
+    from featcal_fusionbench.families.causal_lm import CausalLMFamily
+    from featcal_fusionbench.integration.out_of_core import (block_sink, layers_prefix, map_large_allocations,
+                                                             model_bytes, write_rest)
+    from featcal_fusionbench.models.checkpoint_writer import CheckpointWriter
+    from featcal_fusionbench.models.lazy import load_lazily
+    from featcal_fusionbench.models.lazy_merge import lazy_task_arithmetic
+
+    mapped = map_large_allocations() if args.map_large_allocations else False  # first, as the method does
+    base = load_lazily(LlamaForCausalLM, paths["base"], dtype)
+    experts = {f"expert{i}": load_lazily(LlamaForCausalLM, paths[f"expert{i}"], dtype) for i in range(args.tasks)}
+    layers = f"{layers_prefix(base)}."  # the LLM configs' upstream: TaskArithmeticForCausalLM, merge_backbone
+    merged = lazy_task_arithmetic(base, experts, 0.3, lambda key: key.startswith(layers))
+    floor = blockwise_forward_floor(merged, batches, device)
+    family = CausalLMFamily()
+    output = Path(args.workdir) / "calibrated-out_of_core"
+    with RSSSampler() as rss:
+        started = time.perf_counter()
+        with CheckpointWriter(output, model_bytes(merged)) as writer:
+            engine = FeatCalEngine(family, hp, device, progress=False, profile=args.profile, streams=streams,
+                                   block_sink=block_sink(merged, writer))
+            report = engine.run(merged, base, experts, {t: iter(b) for t, b in batches.items()})
+            write_rest(merged, family.blocks(merged), writer)
+            writer.commit(lambda folder: merged.config.save_pretrained(folder))
+        sync(device)
+        seconds = time.perf_counter() - started
+    written = folder_bytes(output)
+    shutil.rmtree(output)
+    return {
+        **stage_figures(seconds, floor, rss, device),
+        "model_bytes": model_bytes(merged),
+        "output_bytes": written,
+        "map_large_allocations": mapped,
+        "report": report,
+    }
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
 def worker(args) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -162,6 +244,18 @@ def worker(args) -> dict:
     runtime_bytes = psutil.Process().memory_info().rss
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     paths = {n: Path(args.workdir) / n for n in ["base", *(f"expert{i}" for i in range(args.tasks)), "merged"]}
+    disk = {n: folder_bytes(p) for n, p in paths.items() if p.is_dir()}
+    hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size, rho=0.5, alpha=0.15, lambda_=1e-5,
+                        accumulation_dtype=args.accumulation_dtype)
+    streams = StreamOptions(args.stream_device_bytes, args.stream_spill, args.stream_spill_dir)
+    if args.worker == "out_of_core":
+        batches = token_batches(args, llama_config(args.arch, args.dtype, args.layers).vocab_size)
+        result = out_of_core_worker(args, device, dtype, paths, batches, hp, streams)
+        report = result.pop("report")
+        return {"mode": args.worker, **result, "rss_runtime_bytes": runtime_bytes, "disk_bytes": disk,
+                "statistics_bytes": report["statistics_bytes"], "streams": report["streams"],
+                "phase_seconds": report["phase_seconds"],
+                "last_block_cosine": {t: d["after"]["cosine"] for t, d in report["blocks"][-1]["drift"].items()}}
     merged = LlamaForCausalLM.from_pretrained(paths["merged"], torch_dtype=dtype).eval().to(device)
     load = (lambda p: load_lazily(LlamaForCausalLM, p, dtype)) if args.worker == "lazy" else \
         (lambda p: LlamaForCausalLM.from_pretrained(p, torch_dtype=dtype).eval())
@@ -171,8 +265,6 @@ def worker(args) -> dict:
     floor = forward_floor(merged, batches, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size, rho=0.5, alpha=0.15, lambda_=1e-5)
-    streams = StreamOptions(args.stream_device_bytes, args.stream_spill, args.stream_spill_dir)
     engine = FeatCalEngine(CausalLMFamily(), hp, device, progress=False, profile=args.profile, streams=streams)
     with RSSSampler() as rss:
         started = time.perf_counter()
@@ -192,6 +284,7 @@ def worker(args) -> dict:
         "mode": args.worker,
         **stage_figures(seconds, floor, rss, device),
         "rss_runtime_bytes": runtime_bytes,
+        "disk_bytes": disk,
         "model_bytes": model_bytes(merged),
         "statistics_bytes": report["statistics_bytes"],
         "streams": report["streams"],
@@ -212,10 +305,17 @@ def main():
     parser.add_argument("--layers", type=int, help="decoder layers (default: the architecture's); fewer for a quick "
                         "look at one block's work, whose memory does not depend on the depth")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the run's dtype")
+    parser.add_argument("--accumulation-dtype", choices=["float32", "float64"], default="float32",
+                        help="the moments' dtype (method.accumulation_dtype; the 3B config's is float64)")
+    parser.add_argument("--map-large-allocations", type=int, choices=[0, 1], default=1,
+                        help="out_of_core: 1 as the method does (glibc's mmap threshold at 1 MiB), 0 glibc's default")
+    parser.add_argument("--storage-dtype", choices=["bfloat16", "float32"],
+                        help="the checkpoints' dtype (default: --dtype)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-shard-size", default="1GB", help="save_pretrained's shard size for the calibrated model")
-    parser.add_argument("--modes", default=",".join(MODES), help="lazy, eager or both (each in its own process)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="lazy, eager, out_of_core, comma-separated (each in its own process)")
     parser.add_argument("--workdir", help="where the checkpoints are written (reused when they match); default: "
                         "~/.cache/featcal-fusionbench/bench/<arch>-<tasks>-<dtype>")
     parser.add_argument("--stream-device-bytes", help="budget of stream bytes on the device (e.g. 0, 2GB); default auto")
@@ -238,10 +338,12 @@ def main():
         parser.error(str(err))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device is available")
+    args.storage_dtype = args.storage_dtype or args.dtype
     if args.workdir is None:
         # the same in every mode process
         layers = "" if args.layers is None else f"-{args.layers}layers"
-        args.workdir = str(Path.home() / ".cache" / "featcal-fusionbench" / "bench" / f"{args.arch}{layers}-{args.tasks}-{args.dtype}")
+        args.workdir = str(Path.home() / ".cache" / "featcal-fusionbench" / "bench" /
+                           f"{args.arch}{layers}-{args.tasks}-{args.storage_dtype}")
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
@@ -267,10 +369,17 @@ def main():
         budget = "unbounded" if streams["device_budget_bytes"] is None else f"{streams['device_budget_bytes'] / gib:.2f} GiB"
         print(f"       streams: budget {budget}, peak resident {streams['peak_resident_bytes'] / gib:.2f} GiB, "
               f"spilled ({streams['spill']}) {streams['peak_spilled_bytes'] / gib:.2f} GiB")
-        print(f"       saving ({args.max_shard_size} shards) {result['save_seconds']:.1f} s, RSS "
-              f"{result['save_rss_before_bytes'] / gib:.2f} -> {result['save_peak_rss_during_bytes'] / gib:.2f} GiB")
+        if "save_seconds" in result:
+            print(f"       saving ({args.max_shard_size} shards) {result['save_seconds']:.1f} s, RSS "
+                  f"{result['save_rss_before_bytes'] / gib:.2f} -> "
+                  f"{result['save_peak_rss_during_bytes'] / gib:.2f} GiB")
+        else:
+            print(f"       written block by block: {result['output_bytes'] / gib:.2f} GiB")
+        print("       disk: " + ", ".join(f"{n} {b / gib:.2f} GiB" for n, b in result["disk_bytes"].items()))
     summary = {**provenance(__file__, args.device), "arch": args.arch, "layers": args.layers, "tasks": args.tasks, "n": args.n,
-               "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
+               "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype,
+               "storage_dtype": args.storage_dtype, "accumulation_dtype": args.accumulation_dtype,
+               "device": args.device,
                "stream_device_bytes": args.stream_device_bytes, "stream_spill": args.stream_spill,
                "results": results}
     if args.json:

@@ -9,7 +9,9 @@ For each block, in forward order:
      biases (Eq. 55) and norm affines (Eq. 59);
   3. write: the block's new parameters are loaded together, and only then do the calibrated hidden states advance
      through the calibrated block.
-Experts and the base model stay where they are (host memory); only the block in use visits the device. Every
+Experts and the base model stay where they are (host memory); only the block in use visits the device. A lazy
+calibrated model (out of core, ``models.lazy``) is read block by block too: each block is read onto the device
+for its turn and handed to ``block_sink`` (which writes it out) before it is released. Every
 task's hidden-state streams live in a ``StreamStore`` (``streams``): on the device within a byte budget, spilled to
 host or disk beyond it. Everything model-specific comes from the model family (``families``): the walk, the
 calibrated sites and their parameters, token weights.
@@ -32,6 +34,7 @@ from ..core.hparams import FeatCalHParams
 from ..core.meters import DriftMeter
 from ..core.moments import Reduce
 from ..families import ModelFamily
+from ..models.lazy import is_lazy
 from ..models.residency import on_device
 from .plan import block_reserve_bytes, plan_blocks
 from .policy import FixedHParams, HParamPolicy
@@ -41,6 +44,7 @@ from .streams import Stream, StreamOptions, StreamStore
 log = logging.getLogger(__name__)
 
 LogFn = Callable[[Dict[str, float], int], None]
+BlockSink = Callable[[int, nn.Module], None]
 
 
 class PhaseTimer:
@@ -83,9 +87,12 @@ class FeatCalEngine:
         profile: bool = False,
         streams: Optional[StreamOptions] = None,
         policy: Optional[HParamPolicy] = None,
+        block_sink: Optional[BlockSink] = None,
     ):
         """``policy``: each block's lambda / rho / alpha (``engine.policy``); by default ``hparams``' own values in
-        every block. A policy that ``needs_heldout`` is given each task's held-out batches (``run``)."""
+        every block. A policy that ``needs_heldout`` is given each task's held-out batches (``run``).
+        ``block_sink(index, block)``: called with each block once it is calibrated and every stream has left it,
+        while its weights are still on the device."""
         self.family = family
         self.hparams = hparams
         self.policy = policy or FixedHParams()
@@ -97,6 +104,7 @@ class FeatCalEngine:
         self.timer = PhaseTimer(profile, self.device)
         self.stream_options = streams or StreamOptions()
         self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
+        self.block_sink = block_sink
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -105,15 +113,17 @@ class FeatCalEngine:
         family = self.family
         cal, exp = store.stream(), store.stream()
         upstream = store.stream() if self.track_upstream and upstream else None
-        with on_device(family.stem_modules(expert), self.device):
-            for inputs in batches:
-                with self.timer("embed"):
-                    inputs = family.inputs_to(inputs, self.device)
-                    embedded = [family.embed(source, inputs) for source in (model, expert)]
-                for stream, (hidden, meta) in zip((cal, exp), embedded):
-                    stream.append(hidden, meta)
-                if upstream is not None:
-                    upstream.append(*embedded[0])
+        # One model's stem at a time (a lazy model's is read for the pass): at LLM scale a stem is the vocabulary's
+        # embedding, the largest tensor there is. The task's inputs (token ids, images) are kept for both passes.
+        batches = list(batches)
+        for source, streams in ((model, (cal, upstream)), (expert, (exp,))):
+            with on_device(family.stem_modules(source), self.device):
+                for inputs in batches:
+                    with self.timer("embed"):
+                        hidden, meta = family.embed(source, family.inputs_to(inputs, self.device))
+                    for stream in streams:
+                        if stream is not None:
+                            stream.append(hidden, meta)
         if not len(cal):
             raise ValueError("a task produced no calibration batches")
         return TaskStreams(cal, exp, upstream)
@@ -159,7 +169,8 @@ class FeatCalEngine:
         plans = plan_blocks(family, model, hp)
         for module in (model, base, *experts.values()):
             module.eval()
-        model.to(self.device)
+        if not is_lazy(model):
+            model.to(self.device)
         blocks = family.blocks(model)
         base_blocks = family.blocks(base)
         expert_blocks = {t: family.blocks(experts[t]) for t in tasks}
@@ -180,10 +191,13 @@ class FeatCalEngine:
             report_blocks = []
             bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
             for index in bar:
-                entry = self._calibrate_block(
-                    plans[index], model, blocks[index], base_blocks[index], experts,
-                    {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks, heldout,
-                )
+                with on_device([blocks[index]], self.device):  # a lazy model's block is read for its turn
+                    entry = self._calibrate_block(
+                        plans[index], model, blocks[index], base_blocks[index], experts,
+                        {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks, heldout,
+                    )
+                    if self.block_sink is not None:
+                        self.block_sink(index, blocks[index])
                 report_blocks.append(entry)
                 self._log_block(entry)
                 drift = entry["drift"]

@@ -18,9 +18,14 @@ from ..engine.loop import FeatCalEngine
 from ..engine.plan import plan_blocks
 from ..engine.streams import StreamOptions
 from ..families import checked_options, family_for
+from ..models.checkpoint_writer import CheckpointWriter
+from ..models.checks import check_same_architecture
 from .data import calibration_source, select_calibration_data, shard
 from .hub_access import check_path_option
+from .out_of_core import (block_sink, check_out_of_core, load_lazy_merged, map_large_allocations, model_bytes,
+                          output_path, save_config_and_tokenizer, write_rest)
 from .post_merging import PostMergingMixin, peak_memory
+from .upstream import load_saved_model
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     ``stream_spill_dir``, removed at the end). ``auto_select`` (false: off, the given lambda_ / rho / alpha;
     true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on a held-out part of each
     task's calibration examples, then calibrate on all of them with the choice (``autoselect``).
+    ``out_of_core``: no model is ever whole in memory: the merged model is read block by block too (from
+    ``merged_model_path``, ``_merged_``, or FusionBench's Task Arithmetic computed tensor by tensor) and each calibrated
+    block is written as it finishes to the program's ``merged_model_save_path`` (else ``<log_dir>/featcal_model``);
+    the returned model is that folder loaded for the task pool (None without a task pool: nothing is loaded whole).
     """
 
     method_name = "FeatCal"
@@ -73,6 +82,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
         lazy_loading: bool = False,
+        out_of_core: bool = False,
         stream_device_bytes: Union[None, int, str] = None,
         stream_spill: str = "host",
         stream_spill_dir: Optional[str] = None,
@@ -97,6 +107,13 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         # Everything that can be wrong with the input is checked before the upstream merge runs.
         tasks = self.check_pool(modelpool)
         world_size = self.fabric.world_size
+        if self.out_of_core:
+            check_out_of_core(modelpool, self.upstream, self.merged_model_path, return_upstream=self.return_upstream,
+                              auto_select=self.selection_options is not None, world_size=world_size)
+            program = self._program
+            output = output_path(getattr(program, "merged_model_save_path", None),
+                                 getattr(program, "log_dir", None) or self.log_dir)
+            map_large_allocations()
         if self.selection_options is not None:
             if world_size > 1 and self.selection_options.criterion != "objective":
                 # Their held-out scores are not all-reduced yet: ranks could choose differently.
@@ -116,13 +133,17 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             rank = self.fabric.global_rank
             datasets = {t: shard(d, rank, world_size) for t, d in datasets.items()}
         with self.profile("load models"):
-            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading)
+            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading or self.out_of_core)
             family = family_for(base, self.family_options)
             family.check_models(modelpool, base)
             plan_blocks(family, base, hp)
 
         with self.profile("upstream merge"):
-            merged, source = self.load_merged(modelpool, base, experts)
+            if self.out_of_core:
+                merged, source = load_lazy_merged(modelpool, self.upstream, self.merged_model_path, base, experts)
+                check_same_architecture(base, merged, f"the merged model ({source})")
+            else:
+                merged, source = self.load_merged(modelpool, base, experts)
         upstream_model = copy.deepcopy(merged) if self.return_upstream else None
 
         def make_engine(hparams, engine_family, search=False, **kwargs):
@@ -144,14 +165,16 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             return family.batches(modelpool, dataset, hp.batch_size)
 
         with self.profile("calibration"):
-            if self.selection_options is None:
-                batches = {t: batches_of(datasets[t]) for t in tasks}
-                report = make_engine(hp, family).run(merged, base, experts, batches)
-            else:
+            if self.selection_options is not None:
                 report = auto_calibrate(
                     make_engine, lambda extra: family_for(base, {**self.family_options, **extra}),
                     self.selection_options, hp, merged, base, experts, datasets, batches_of, self.fabric.device,
                 )
+            elif self.out_of_core:
+                report = self._calibrate_out_of_core(modelpool, make_engine, family, merged, base, experts,
+                                                     {t: batches_of(datasets[t]) for t in tasks}, output)
+            else:
+                report = make_engine(hp, family).run(merged, base, experts, {t: batches_of(datasets[t]) for t in tasks})
         report.update(
             {
                 "upstream": source,
@@ -160,6 +183,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 "device": str(self.fabric.device),
                 "world_size": world_size,
                 "lazy_loading": self.lazy_loading,
+                "out_of_core": self.out_of_core,
                 **peak_memory(self.fabric.device),
             }
         )
@@ -168,7 +192,32 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
 
         if self.return_upstream:
             return {"upstream": upstream_model, "featcal": merged, "featcal_calibration": _summary(report)}
+        if self.out_of_core:
+            return self._load_output(output, modelpool, base)
         return merged
+
+    def _calibrate_out_of_core(self, modelpool, make_engine, family, merged, base, experts, batches, output):
+        """Calibrate the lazy ``merged`` block by block, each block written to ``output`` as it finishes."""
+        with CheckpointWriter(output, model_bytes(merged)) as writer:
+            report = make_engine(self.featcal_hparams, family, block_sink=block_sink(merged, writer)).run(
+                merged, base, experts, batches)
+            write_rest(merged, family.blocks(merged), writer)
+            writer.commit(save_config_and_tokenizer(merged, modelpool))
+        log.info("the calibrated model was written to %s", output)
+        report["output"] = {"path": str(writer.path), "bytes": writer.total_bytes}
+        return report
+
+    def _load_output(self, output, modelpool, base):
+        """The written model for the program's task pool (None without one), in the base's dtype and with the pool's
+        ``model_kwargs.device_map`` where it sets one; the program is told not to save it again."""
+        program = self._program
+        if program is not None and getattr(program, "merged_model_save_path", None) is not None:
+            program.merged_model_save_path = None  # already written, block by block
+        if program is not None and getattr(program, "_taskpool", None) is None:
+            log.info("no task pool: the calibrated model stays on disk, at %s", output)
+            return None
+        device_map = (getattr(modelpool, "model_kwargs", None) or {}).get("device_map")
+        return load_saved_model(output, base, device_map=device_map)
 
     def _all_reduce(self, tensor):
         return self.fabric.all_reduce(tensor.to(self.fabric.device), reduce_op="sum").to(tensor.device)

@@ -194,7 +194,9 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
             if missing:
                 raise ValueError(f"the per-task model has maps for {sorted(maps)}, not for the experts {missing} that "
                                  "the task pool names (set each task's `expert`, or null for none)")
-        model = model.eval().to(self.fabric.device)
+        if getattr(model, "hf_device_map", None) is None:  # one dispatched by device_map stays where it was put
+            model = model.to(self.fabric.device)
+        model = model.eval()
         language_model = self._language_model(model)
         results_dir = self._results_dir()
         if results_dir is not None:

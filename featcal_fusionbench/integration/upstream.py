@@ -16,7 +16,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..models.checks import check_checkpoint_matches, check_pool_checkpoint
+from ..models.checks import (check_checkpoint_matches, check_pool_checkpoint, checkpoint_architectures,
+                             warn_config_differences)
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,28 @@ def check_upstream_source(modelpool, upstream: Any, merged_model_path: Optional[
         )
 
 
-def load_saved_model(path: str, reference: nn.Module) -> nn.Module:
+def load_saved_model(path: str, reference: nn.Module, device_map: Any = None) -> nn.Module:
     """A merged model saved by FusionBench's ``merged_model_save_path`` or by another merger (mergekit): a
     ``save_pretrained`` folder (HF models; a local safetensors one is checked against ``reference``'s tensor names and
     shapes before any tensor is read), or the state dict file that ``BaseModelPool.save_model`` writes for other
-    models (OpenCLIP's ``ImageEncoder``), loaded into a copy of ``reference`` (the base: same class and keys)."""
+    models (OpenCLIP's ``ImageEncoder``), loaded into a copy of ``reference`` (the base: same class and keys).
+    ``device_map``: ``from_pretrained``'s, for a model larger than one device."""
     loader = getattr(type(reference), "from_pretrained", None)
     if loader is not None:
         check_checkpoint_matches(path, reference, "merged_model_path")
+        kwargs = {}
+        if type(reference).__name__ in checkpoint_architectures(path):
+            # the base's architecture settings: a config.json written by transformers 5 (mergekit 0.1.5) keeps
+            # rope_theta in rope_parameters, which 4.x ignores, falling back to 10000 without a word
+            warn_config_differences(path, reference, "merged_model_path")
+            kwargs["config"] = copy.deepcopy(reference.config)
         # In the base's dtype: from_pretrained's default is float32, which would double a bf16 LLM.
         dtype = getattr(reference, "dtype", None)
-        return loader(path, **({"torch_dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
+        if isinstance(dtype, torch.dtype):
+            kwargs["torch_dtype"] = dtype
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        return loader(path, **kwargs)
     if not Path(path).is_file():
         raise FileNotFoundError(
             f"merged_model_path {path!r}: a {type(reference).__name__} has no from_pretrained, so a saved one is the "

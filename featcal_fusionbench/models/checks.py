@@ -68,7 +68,7 @@ def check_checkpoint_matches(folder, reference: nn.Module, name: str, shapes_may
             problems.append(f"{stored} is {held[stored]} where the pretrained model has {shape}")
     # A checkpoint of a larger architecture (a full CLIPModel read as its vision tower) holds more, which
     # from_pretrained leaves out by design: extra tensors count only in a checkpoint of the reference's own class.
-    if type(reference).__name__ in _architectures(folder):
+    if type(reference).__name__ in checkpoint_architectures(folder):
         problems += [f"{key} {held[key]} is not a tensor of the pretrained model" for key in sorted(set(held) - found)]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
@@ -76,10 +76,37 @@ def check_checkpoint_matches(folder, reference: nn.Module, name: str, shapes_may
     return True
 
 
-def _architectures(folder: Path) -> List[str]:
+# config.json keys that say how a checkpoint was saved, not what the model computes
+_SAVING_KEYS = {"_name_or_path", "architectures", "auto_map", "dtype", "torch_dtype", "transformers_version",
+                "use_cache"}
+
+
+def config_differences(folder, reference: nn.Module) -> List[str]:
+    """The settings in a checkpoint folder's config.json that differ from ``reference``'s config (or that it has
+    no such setting for), other than how it was saved; only for a checkpoint saved from the reference's own class
+    (a full CLIP checkpoint read as its vision tower has another config by design)."""
+    config = getattr(reference, "config", None)
+    if config is None or type(reference).__name__ not in checkpoint_architectures(Path(folder)):
+        return []
+    saved = json.loads((Path(folder) / "config.json").read_text())
+    own = json.loads(config.to_json_string(use_diff=False))
+    return [f"{key}={saved[key]!r} " + (f"(the base: {own[key]!r})" if key in own else "(unknown to the base)")
+            for key in sorted(set(saved) - _SAVING_KEYS) if own.get(key, object()) != saved[key]]
+
+
+def warn_config_differences(folder, reference: nn.Module, name: str) -> None:
+    """Log what ``config_differences`` finds: the merge is built from the base's config (``models.lazy.lazy_like``,
+    ``integration.upstream.load_saved_model``), so such a setting is not used."""
+    differences = config_differences(folder, reference)
+    if differences:
+        log.warning("%s at %s: its config.json differs from the base's, whose config is used (a merge has the base's "
+                    "architecture): %s", name, folder, "; ".join(differences))
+
+
+def checkpoint_architectures(folder) -> List[str]:
     """The classes a checkpoint's config.json says it was saved from."""
     try:
-        return list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
+        return list(json.loads((Path(folder) / "config.json").read_text()).get("architectures") or [])
     except (OSError, ValueError):
         return []
 

@@ -182,10 +182,33 @@ def load_lazily(model_class, folder, torch_dtype: Optional[Any] = None) -> nn.Mo
         build = model_class.from_config if auto else model_class._from_config
         model = build(config, torch_dtype=dtype)
     model.eval()
+    attach_tensors(model, tensors, dtype)
+    return model
+
+
+def lazy_like(reference: nn.Module, folder) -> nn.Module:
+    """A lazy model with the lazy ``reference``'s skeleton, config and dtype, its tensors read from the checkpoint
+    ``folder``: a merge of the reference's architecture, built from the reference's config whatever the merge's
+    config.json says (a config written by transformers 5 keeps ``rope_theta`` where 4.x does not look)."""
+    import copy
+
+    model = copy.deepcopy(reference)  # meta parameters: the copy costs the buffers only
+    attach_tensors(model, CheckpointTensors(folder), tensors_of(reference)[1])
+    return model
+
+
+def attach_tensors(model: nn.Module, tensors, dtype: torch.dtype) -> None:
+    """Make every module of the skeleton ``model`` read its parameters from ``tensors`` (a ``CheckpointTensors``, or
+    anything with its ``folder``, ``in`` and ``read``, e.g. a merge computed tensor by tensor) in ``dtype``."""
     aliases = tied_names(model)
     for prefix, module in model.named_modules():
         module._featcal_source = _Source(tensors, prefix, aliases, dtype)
-    return model
+
+
+def tensors_of(model: nn.Module):
+    """The lazy ``model``'s tensors (what ``attach_tensors`` was given) and the dtype it reads them in."""
+    source: _Source = model._featcal_source
+    return source.tensors, source.dtype
 
 
 def tied_names(model: nn.Module) -> Dict[str, List[str]]:
@@ -264,5 +287,5 @@ def checkpoint_folder(name_or_path: str) -> Path:
     return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
 
 
-__all__ = ["CheckpointTensors", "checkpoint_folder", "entry_path", "is_lazy", "load_lazily", "load_pool_model_lazily",
-           "materialize", "release", "tied_names"]
+__all__ = ["CheckpointTensors", "attach_tensors", "checkpoint_folder", "entry_path", "is_lazy", "lazy_like",
+           "load_lazily", "load_pool_model_lazily", "materialize", "release", "tensors_of", "tied_names"]

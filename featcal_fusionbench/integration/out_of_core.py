@@ -1,0 +1,197 @@
+"""``method.out_of_core``: no model is ever whole in memory, the calibrated one included.
+
+The merged model is a lazy model like the base and the experts (``models.lazy``): read from ``merged_model_path``
+or the pool's ``_merged_`` (any merger's safetensors checkpoint, mergekit's included), or computed tensor by tensor
+from the lazy base and experts when the upstream is FusionBench's Task Arithmetic (``models.lazy_merge``). Each
+block is read when its turn comes, calibrated, written to the output checkpoint and released; the tensors outside
+the blocks (embeddings, final norm, head), which FeatCal never changes, are copied through a module at a time. The
+output is an HF folder (safetensors shards, their index, config, generation config, tokenizer) that
+``from_pretrained`` loads, written in a temporary folder and renamed into place when complete
+(``models.checkpoint_writer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig
+from torch import nn
+
+from ..models.checkpoint_writer import CheckpointWriter
+from ..models.checks import check_checkpoint_matches, warn_config_differences
+from ..models.lazy import checkpoint_folder, entry_path, lazy_like, tied_names
+from ..models.lazy_merge import lazy_task_arithmetic
+from ..models.residency import on_device
+from .upstream import check_upstream_source, describe_upstream
+
+log = logging.getLogger(__name__)
+
+#: the default output folder under the run's log folder when the program saves nothing
+DEFAULT_OUTPUT = "featcal_model"
+
+# FusionBench's Task Arithmetic classes (``fusion_bench/method/__init__.py`` exports them under these names), and
+# whether the class merges only the decoder layers when ``merge_backbone`` is set
+# (``fusion_bench/method/linear/task_arithmetic_for_causallm.py``: ``model.model.layers`` from a CausalLMBackbonePool).
+TASK_ARITHMETIC = {
+    "TaskArithmeticAlgorithm": False,
+    "TaskArithmeticForCausalLM": True,
+    "TaskArithmeticForLlama": True,
+}
+
+
+def task_arithmetic_upstream(upstream: Any) -> Optional[Dict[str, Any]]:
+    """The upstream config's Task Arithmetic settings (``scaling_factor``, ``backbone_only``) when it is one of
+    FusionBench's Task Arithmetic classes, else None."""
+    if not isinstance(upstream, (dict, DictConfig)):
+        return None
+    name = str(upstream.get("_target_", "")).rsplit(".", 1)[-1]
+    if name not in TASK_ARITHMETIC:
+        return None
+    if upstream.get("model_save_path") is not None:
+        raise ValueError(
+            f"out_of_core computes the upstream {name} tensor by tensor and never holds the merged model whole, so "
+            "it cannot save it: set upstream.model_save_path=null (the calibrated model is saved)")
+    if not upstream.get("inplace", True):
+        log.info("upstream.inplace=false changes nothing out of core: the base is never modified")
+    return {"scaling_factor": float(upstream["scaling_factor"]),
+            "backbone_only": TASK_ARITHMETIC[name] and bool(upstream.get("merge_backbone", False))}
+
+
+def check_out_of_core(modelpool, upstream: Any, merged_model_path: Optional[str], *, return_upstream: bool,
+                      auto_select: bool, world_size: int) -> None:
+    """Refuse, before any model is read, what out of core cannot do."""
+    check_upstream_source(modelpool, upstream, merged_model_path)
+    if merged_model_path is None and not modelpool.has_merged and task_arithmetic_upstream(upstream) is None:
+        raise ValueError(
+            f"out_of_core reads the merged model block by block: the upstream {describe_upstream(upstream)} would "
+            "build it whole; give its saved checkpoint as method.merged_model_path (or the pool's `_merged_`), or use "
+            "FusionBench's Task Arithmetic as the upstream (computed tensor by tensor)")
+    if return_upstream:
+        raise ValueError("return_upstream keeps the upstream model whole beside the calibrated one; with out_of_core, "
+                         "evaluate the upstream merge from its own checkpoint")
+    if auto_select:
+        raise ValueError("auto_select calibrates several candidate models; it does not run out of core yet")
+    if world_size > 1:
+        raise ValueError("out_of_core writes the calibrated model from one process; it runs on one device")
+
+
+def load_lazy_merged(modelpool, upstream: Any, merged_model_path: Optional[str], base: nn.Module,
+                     experts: Dict[str, nn.Module]) -> Tuple[nn.Module, str]:
+    """The merged model as a lazy model, and where it came from (the sources' precedence is ``load_merged_model``'s)."""
+    saved = None
+    if merged_model_path is not None:
+        saved, label, source = merged_model_path, "merged_model_path", f"path:{merged_model_path}"
+    elif modelpool.has_merged:
+        entry = modelpool.get_model_config("_merged_", return_copy=False)
+        saved, label, source = entry_path(entry), "the pool's `_merged_`", "pool:_merged_"
+        if saved is None:
+            raise TypeError("out_of_core reads the pool's `_merged_` from its checkpoint; it is not a path or hub id")
+    if saved is not None:
+        folder = checkpoint_folder(saved)
+        check_checkpoint_matches(folder, base, label)
+        warn_config_differences(folder, base, label)
+        return lazy_like(base, folder), source
+    settings = task_arithmetic_upstream(upstream)
+    layers = f"{layers_prefix(base)}." if settings["backbone_only"] else ""
+    merged = lazy_task_arithmetic(base, experts, settings["scaling_factor"], lambda key: key.startswith(layers))
+    return merged, f"method:{describe_upstream(upstream)} (out of core)"
+
+
+def layers_prefix(model: nn.Module) -> str:
+    """The name of the decoder layers FusionBench's ``merge_backbone`` merges (``model.model.layers``)."""
+    layers = model.model.layers
+    return next(name for name, module in model.named_modules() if module is layers)
+
+
+#: allocations at least this large get their own memory map, returned to the system when freed
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def map_large_allocations(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Have glibc's malloc give every allocation of at least ``threshold`` bytes a memory map of its own. By default
+    glibc raises that threshold to 32 MiB as large blocks are freed, so a block's many tensors of 1-32 MiB (hidden
+    states, activations, small weights) come from the heap, whose freed holes stay resident: 0.45 GiB of the 6.26 GiB
+    peak at the Llama-3.2-3B shape (experiments/docs/benchmarks.md). False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+    if done:
+        log.info("out_of_core: allocations of %d bytes or more are memory-mapped (returned when freed)", threshold)
+    return done
+
+
+def output_path(save_path: Optional[str], log_dir: Optional[str]) -> str:
+    """Where the calibrated model goes: the program's ``merged_model_save_path`` (``{log_dir}`` filled in), else
+    ``<log_dir>/featcal_model``."""
+    if save_path:
+        return save_path.format(log_dir=log_dir) if "{log_dir}" in save_path and log_dir else save_path
+    if log_dir:
+        return os.path.join(log_dir, DEFAULT_OUTPUT)
+    raise ValueError("out_of_core writes the calibrated model to disk: set merged_model_save_path (or path.log_dir)")
+
+
+def model_bytes(model: nn.Module) -> int:
+    """One model's parameter bytes, a tied tensor counted once (a lazy skeleton holds tied ones apart)."""
+    aliases, seen, total = tied_names(model), set(), 0
+    for name, parameter in model.named_parameters():
+        if not set(aliases.get(name, ())) & seen:
+            total += parameter.numel() * parameter.element_size()
+        seen.add(name)
+    return total
+
+
+def block_sink(model: nn.Module, writer: CheckpointWriter):
+    """``engine.FeatCalEngine``'s ``block_sink``: each calibrated block written as one shard."""
+    names = {id(module): name for name, module in model.named_modules()}
+
+    def write(index: int, block: nn.Module) -> None:
+        prefix = names[id(block)]
+        writer.write({f"{prefix}.{key}": value for key, value in block.state_dict().items()})
+
+    return write
+
+
+def write_rest(model: nn.Module, blocks: List[nn.Module], writer: CheckpointWriter) -> None:
+    """Every parameter outside the blocks, as the merged model holds it, one module at a time; a tied output
+    embedding is left to the input one, as ``save_pretrained`` leaves it."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    aliases = tied_names(model)
+    written: set = set(writer.weight_map)
+    for prefix, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        keys = {name: f"{prefix}.{name}" if prefix else name for name in own}
+        keys = {name: key for name, key in keys.items() if not set(aliases.get(key, ())) & written}
+        if not keys:
+            continue
+        with on_device([module], "cpu"):
+            writer.write({key: getattr(module, name) for name, key in keys.items()})
+        written.update(keys.values())
+
+
+def save_config_and_tokenizer(model: nn.Module, modelpool):
+    """``CheckpointWriter.commit``'s extra files: the model's config and generation config, the pool's tokenizer."""
+
+    def save(folder) -> None:
+        model.config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(folder)
+        if getattr(modelpool, "load_tokenizer", None) is not None and getattr(modelpool, "tokenizer", None) is not None:
+            modelpool.load_tokenizer().save_pretrained(folder)
+
+    return save
+
+
+__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "load_lazy_merged", "map_large_allocations", "model_bytes",
+           "output_path",
+           "save_config_and_tokenizer", "task_arithmetic_upstream", "write_rest"]

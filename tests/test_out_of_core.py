@@ -1,0 +1,249 @@
+"""``method.out_of_core``: the merged model read block by block and the calibrated one written block by block, equal
+bit for bit to the whole-model path, complete or absent on disk whatever happens."""
+
+import errno
+import json
+import types
+
+import pytest
+import torch
+from helpers import byte_tokenizer, perturbed, tiny_causal_lm
+
+from featcal_fusionbench.integration.algorithm import FeatCalAlgorithm
+
+TA_BACKBONE = {"_target_": "fusion_bench.method.TaskArithmeticForCausalLM", "scaling_factor": 0.3,
+               "merge_backbone": True, "model_save_path": None}
+TA_WHOLE = {"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3}
+ARGS = {"num_calibration_examples": 8, "batch_size": 4, "lambda_": 1e-3, "rho": 0.5, "alpha": 0.15}
+
+
+def llama_pool(root, arch="llama", dtype=None, merged=None):
+    """A CausalLMPool on disk: a tiny base with a tokenizer, two experts, token-id examples; ``merged``: a
+    ``_merged_`` model saved beside them."""
+    from datasets import Dataset
+    from fusion_bench.modelpool import CausalLMPool
+
+    base = tiny_causal_lm(arch, vocab=384)
+    base.config.rope_theta = 1e5  # not the default: a config that loses it changes the model (below)
+    if arch == "gemma2":  # a tied head: written once, as the embedding
+        base.config.tie_word_embeddings = True
+        base.tie_weights()
+    base.save_pretrained(root / "base")
+    byte_tokenizer().save_pretrained(root / "base")
+    models, train = {"_pretrained_": str(root / "base")}, {}
+    for i, task in enumerate(("math", "coding")):
+        perturbed(base, 0.05, 10 + i).save_pretrained(root / task)
+        models[task] = str(root / task)
+        ids = torch.randint(1, 384, (12, 9), generator=torch.Generator().manual_seed(i)).tolist()
+        Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 9] * 12}).save_to_disk(root / f"{task}_data")
+        train[task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(root / f"{task}_data")}
+    if merged is not None:
+        merged(base).save_pretrained(root / "merged", max_shard_size="20KB")  # sharded, as mergekit writes
+        models["_merged_"] = str(root / "merged")
+    kwargs = {"torch_dtype": dtype} if dtype else {}
+    return CausalLMPool(models=models, train_datasets=train, tokenizer=str(root / "base"), model_kwargs=kwargs)
+
+
+def calibrate(pool, output=None, taskpool=True, **options):
+    """Run the method as FusionBench's program does; the program's save path is ``output``."""
+    method = FeatCalAlgorithm(**{**ARGS, **options})
+    method._program = types.SimpleNamespace(merged_model_save_path=None if output is None else str(output),
+                                            log_dir=None, _taskpool=object() if taskpool else None)
+    return method.run(pool), method._program
+
+
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_equal(a, b):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different
+
+
+@pytest.mark.parametrize("upstream, dtype", [(TA_BACKBONE, None), (TA_WHOLE, None), (TA_BACKBONE, "bfloat16")])
+def test_task_arithmetic_out_of_core_equals_fusion_benchs_eager_merge_and_calibration(upstream, dtype, tmp_path):
+    pool = llama_pool(tmp_path, dtype=dtype)
+    eager, _ = calibrate(pool, upstream=upstream)
+    out = tmp_path / "calibrated"
+    loaded, program = calibrate(pool, out, upstream=upstream, out_of_core=True)
+    assert_equal(state(eager), state(loaded))
+    assert loaded.dtype == eager.dtype
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors.index.json", "config.json", "generation_config.json", "tokenizer_config.json"} <= files
+    shards = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) == 2 + 3  # a shard per block, then embedding, final norm, head
+    assert program.merged_model_save_path is None  # written already: the program does not save it again
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_saved_merge_is_calibrated_out_of_core_exactly_as_whole(arch, tmp_path):
+    """``merged_model_path`` (a sharded checkpoint, as mergekit writes one) and the pool's ``_merged_``; Gemma-2's
+    tied head is written once, as the embedding, and loads tied."""
+    pool = llama_pool(tmp_path, arch, merged=lambda base: perturbed(base, 0.02, 5))
+    eager, _ = calibrate(pool)
+    from_pool, _ = calibrate(pool, tmp_path / "a", out_of_core=True)
+    from_path, _ = calibrate(pool, tmp_path / "b", out_of_core=True, merged_model_path=str(tmp_path / "merged"))
+    assert_equal(state(eager), state(from_pool))
+    assert_equal(state(eager), state(from_path))
+    written = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert ("lm_head.weight" in written) == (arch == "llama")
+
+
+def test_a_merge_whose_config_json_transformers_5_wrote_is_read_with_the_bases_config(tmp_path, caplog):
+    """mergekit 0.1.5 (transformers 5) writes rope_theta inside rope_parameters, where transformers 4.x does not
+    look: it would fall back to 10000 without a word. The merge has the base's architecture, so its config is used,
+    and the difference is named."""
+    pool = llama_pool(tmp_path, merged=lambda base: perturbed(base, 0.02, 5))
+    expected, _ = calibrate(pool)  # the pool's `_merged_`, its config as saved
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    (tmp_path / "merged" / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING"):
+        eager, _ = calibrate(pool, merged_model_path=str(tmp_path / "merged"))
+        out_of_core, _ = calibrate(pool, tmp_path / "a", out_of_core=True, merged_model_path=str(tmp_path / "merged"))
+    assert_equal(state(expected), state(eager))
+    assert_equal(state(expected), state(out_of_core))
+    assert "rope_parameters={'rope_theta': 100000.0, 'rope_type': 'default'} (unknown to the base)" in caplog.text
+
+
+def test_without_a_task_pool_nothing_is_loaded_and_the_default_folder_is_under_the_log_dir(tmp_path, monkeypatch):
+    """Also: large allocations are memory-mapped first (glibc: this machine's C library)."""
+    import featcal_fusionbench.integration.algorithm as algorithm
+    from featcal_fusionbench.integration.out_of_core import map_large_allocations
+
+    mapped = []
+    monkeypatch.setattr(algorithm, "map_large_allocations", lambda: mapped.append(map_large_allocations()))
+    pool = llama_pool(tmp_path)
+    method = FeatCalAlgorithm(**ARGS, upstream=TA_BACKBONE, out_of_core=True)
+    method._program = types.SimpleNamespace(merged_model_save_path=None, log_dir=str(tmp_path / "log"), _taskpool=None)
+    assert method.run(pool) is None
+    assert mapped == [True]
+    assert (tmp_path / "log" / "featcal_model" / "model.safetensors.index.json").is_file()
+
+
+def test_the_output_is_loaded_with_the_pools_device_map_and_the_save_path_may_name_the_log_dir(tmp_path):
+    from featcal_fusionbench.integration.out_of_core import output_path
+
+    pool = llama_pool(tmp_path, dtype="bfloat16")
+    pool.model_kwargs["device_map"] = "cpu"  # a model larger than one device: from_pretrained places it
+    loaded, _ = calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, out_of_core=True)
+    assert loaded.hf_device_map == {"": torch.device("cpu")} and loaded.dtype == torch.bfloat16
+    assert output_path("{log_dir}/merged", "/logs/run") == "/logs/run/merged"
+    assert output_path(None, "/logs/run") == "/logs/run/featcal_model"
+    with pytest.raises(ValueError, match="set merged_model_save_path"):
+        output_path(None, None)
+
+
+def test_an_interrupted_run_leaves_the_previous_output_and_nothing_else(tmp_path, monkeypatch):
+    """Ctrl-C at the second block: the output of an earlier run is kept as it was, and no partial folder stays."""
+    import featcal_fusionbench.integration.algorithm as algorithm
+
+    pool = llama_pool(tmp_path)
+    out = tmp_path / "calibrated"
+    first, _ = calibrate(pool, out, upstream=TA_BACKBONE, out_of_core=True)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    sink = algorithm.block_sink
+
+    def interrupted(model, writer):
+        write = sink(model, writer)
+
+        def at(index, block):
+            if index == 1:
+                raise KeyboardInterrupt
+            write(index, block)
+
+        return at
+
+    monkeypatch.setattr(algorithm, "block_sink", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(pool, out, upstream=TA_BACKBONE, out_of_core=True, lambda_=1.0)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_disk_that_fills_fails_naming_it_and_removes_the_partial_output(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    pool = llama_pool(tmp_path)
+    calls = []
+
+    def full(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save_file(tensors, path, metadata=metadata)
+
+    save_file = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError, match=r"the disk filled while the calibrated model was written to .*calibrated"):
+        calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, out_of_core=True)
+    assert not (tmp_path / "calibrated").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_too_little_free_disk_fails_before_calibration(tmp_path, monkeypatch):
+    import shutil
+
+    import featcal_fusionbench.engine.loop as loop
+
+    pool = llama_pool(tmp_path)
+    full = types.SimpleNamespace(total=1 << 30, used=1 << 30, free=1000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    monkeypatch.setattr(loop.FeatCalEngine, "run", lambda *a, **k: pytest.fail("calibration started"))
+    with pytest.raises(OSError, match=r"the calibrated model needs 0\.00 GiB and .* has 0\.00 GiB free"):
+        calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, out_of_core=True)
+    assert not (tmp_path / "calibrated").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"upstream": {"_target_": "fusion_bench.method.SimpleAverageAlgorithm"}},
+     "the upstream fusion_bench.method.SimpleAverageAlgorithm would build it whole"),
+    ({"upstream": {**TA_BACKBONE, "model_save_path": "somewhere"}}, "set upstream.model_save_path=null"),
+    ({"upstream": TA_BACKBONE, "return_upstream": True}, "return_upstream keeps the upstream model whole"),
+    ({"upstream": TA_BACKBONE, "auto_select": True}, "auto_select calibrates several candidate models"),
+])
+def test_what_out_of_core_cannot_do_is_refused_before_any_model_is_read(options, message, tmp_path, monkeypatch):
+    from featcal_fusionbench.integration import post_merging
+
+    pool = llama_pool(tmp_path)
+    monkeypatch.setattr(post_merging.PostMergingMixin, "load_base_and_experts",
+                        lambda *a, **k: pytest.fail("a model was read"))
+    with pytest.raises(ValueError, match=message):
+        calibrate(pool, tmp_path / "calibrated", out_of_core=True, **options)
+
+
+@pytest.mark.parametrize("dtypes", [("bfloat16",) * 3, ("float32", "bfloat16", "float32")])
+def test_lazy_task_arithmetic_is_fusion_benchs_bit_for_bit_and_refuses_what_it_refuses(dtypes, tmp_path, monkeypatch):
+    """Each model in the dtype a pool entry's ``torch_dtype`` loads it in; FusionBench refuses mixed dtypes. The merge
+    runs a few elements at a time here, as it runs on a vocabulary-sized tensor."""
+    from fusion_bench.method import TaskArithmeticAlgorithm
+
+    from featcal_fusionbench.models import lazy_merge
+
+    monkeypatch.setattr(lazy_merge, "_slices", lambda tensor: list(tensor.view(-1).split(7)))
+
+    from featcal_fusionbench.models.lazy import load_lazily
+    from featcal_fusionbench.models.lazy_merge import lazy_task_arithmetic
+    from featcal_fusionbench.models.residency import on_device
+
+    base = tiny_causal_lm("llama")
+    dtypes = dict(zip(("base", "a", "b"), (getattr(torch, d) for d in dtypes)))
+    models = {"base": base, "a": perturbed(base, 0.05, 1), "b": perturbed(base, 0.05, 2)}
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / name)
+    eager = {name: type(base).from_pretrained(tmp_path / name, torch_dtype=dtypes[name]) for name in models}
+    lazy = {name: load_lazily(type(base), tmp_path / name, dtypes[name]) for name in models}
+    fusion_bench = TaskArithmeticAlgorithm(scaling_factor=0.3)
+    if len(set(dtypes.values())) > 1:
+        with pytest.raises(ValueError, match="Dtype mismatch"):
+            fusion_bench.run({"_pretrained_": eager["base"], "a": eager["a"], "b": eager["b"]})
+        with pytest.raises(ValueError, match="Task Arithmetic of models in different dtypes"):
+            lazy_task_arithmetic(lazy["base"], {"a": lazy["a"], "b": lazy["b"]}, 0.3)
+        return
+    merged = fusion_bench.run({"_pretrained_": eager["base"], "a": eager["a"], "b": eager["b"]})
+    skeleton = lazy_task_arithmetic(lazy["base"], {"a": lazy["a"], "b": lazy["b"]}, 0.3)
+    with on_device([skeleton], "cpu"):
+        assert_equal(state(merged), state(skeleton))
+    assert all(p.is_meta for p in skeleton.parameters())  # released again
