@@ -46,9 +46,10 @@ def task_arithmetic_upstream(upstream: Any) -> Optional[Dict[str, Any]]:
     FusionBench's Task Arithmetic classes, else None."""
     if not isinstance(upstream, (dict, DictConfig)):
         return None
-    name = str(upstream.get("_target_", "")).rsplit(".", 1)[-1]
-    if name not in TASK_ARITHMETIC:
-        return None
+    target = str(upstream.get("_target_", ""))
+    name = target.rsplit(".", 1)[-1]
+    if not target.startswith("fusion_bench.") or name not in TASK_ARITHMETIC:
+        return None  # another class of that name may merge otherwise
     if upstream.get("model_save_path") is not None:
         raise ValueError(
             f"out_of_core computes the upstream {name} tensor by tensor and never holds the merged model whole, so "

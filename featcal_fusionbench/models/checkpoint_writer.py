@@ -84,7 +84,12 @@ class CheckpointWriter:
         old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
         if self.path.exists():
             self.path.rename(old)
-        self.temporary.rename(self.path)
+        try:
+            self.temporary.rename(self.path)
+        except BaseException:
+            if old.exists():
+                old.rename(self.path)  # the older output stays where it was
+            raise
         self.committed = True
         shutil.rmtree(old, ignore_errors=True)
         return self.path
