@@ -114,7 +114,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 def map_large_allocations(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Have glibc's malloc give every allocation of at least ``threshold`` bytes a memory map of its own. By default
     glibc raises that threshold to 32 MiB as large blocks are freed, so a block's many tensors of 1-32 MiB (hidden
-    states, activations, small weights) come from the heap, whose freed holes stay resident: 0.45 GiB of the 6.26 GiB
+    states, activations, small weights) come from the heap, whose freed holes stay resident: 0.6 GiB of the 6.40 GiB
     peak at the Llama-3.2-3B shape (experiments/docs/benchmarks.md). False where the C library is not glibc."""
     import ctypes
     import ctypes.util
