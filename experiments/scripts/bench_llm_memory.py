@@ -7,8 +7,9 @@ Checkpoints with the architecture's real shapes and seeded random weights (cost 
 written once to ``--workdir`` in ``--storage-dtype`` (the hub's LLM checkpoints are bf16; a float32 run converts
 each tensor as it is read): the base, ``--tasks`` experts (base plus small noise) and, unless only ``out_of_core``
 runs, their Task Arithmetic merge (0.3). They are sharded one decoder layer (or one other tensor) per file and
-written a model at a time, so that writing them never holds a whole model. Each loading mode (``--modes``) then runs in a fresh process, so that the process's peak RSS is that mode's own (its high-water mark:
-``ru_maxrss`` would carry the parent's checkpoint-writing peak across fork and exec). A mode process loads
+written a model at a time, so that writing them never holds a whole model. Each loading mode (``--modes``) then
+runs in a fresh process, so that the process's peak RSS is that mode's own (its high-water mark: ``ru_maxrss``
+would carry the parent's checkpoint-writing peak across fork and exec). A mode process loads
 the merged model whole, as FusionBench evaluates and saves it. It loads the base and experts whole (``eager``) or
 as skeletons that read each block when it is used (``lazy``: ``method.lazy_loading``). It then times the forward
 floor and FeatCal's calibration stage. ``out_of_core`` (``method.out_of_core``) holds no model whole: the merge is
