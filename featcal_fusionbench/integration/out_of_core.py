@@ -21,7 +21,7 @@ from torch import nn
 
 from ..models.checkpoint_writer import CheckpointWriter
 from ..models.checks import check_checkpoint_matches, warn_config_differences
-from ..models.lazy import checkpoint_folder, entry_path, lazy_like, tied_names
+from ..models.lazy import CheckpointTensors, checkpoint_folder, entry_path, lazy_like, tied_names
 from ..models.lazy_merge import lazy_task_arithmetic
 from ..models.residency import on_device
 from .upstream import check_upstream_source, describe_upstream
@@ -93,7 +93,7 @@ def load_lazy_merged(modelpool, upstream: Any, merged_model_path: Optional[str],
         folder = checkpoint_folder(saved)
         check_checkpoint_matches(folder, base, label)
         warn_config_differences(folder, base, label)
-        return lazy_like(base, folder), source
+        return lazy_like(base, CheckpointTensors(folder)), source
     settings = task_arithmetic_upstream(upstream)
     layers = f"{layers_prefix(base)}." if settings["backbone_only"] else ""
     merged = lazy_task_arithmetic(base, experts, settings["scaling_factor"], lambda key: key.startswith(layers))
@@ -193,6 +193,5 @@ def save_config_and_tokenizer(model: nn.Module, modelpool):
     return save
 
 
-__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "load_lazy_merged", "map_large_allocations", "model_bytes",
-           "output_path",
-           "save_config_and_tokenizer", "task_arithmetic_upstream", "write_rest"]
+__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "load_lazy_merged", "map_large_allocations",
+           "model_bytes", "output_path", "save_config_and_tokenizer", "task_arithmetic_upstream", "write_rest"]

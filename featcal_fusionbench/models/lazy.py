@@ -186,14 +186,15 @@ def load_lazily(model_class, folder, torch_dtype: Optional[Any] = None) -> nn.Mo
     return model
 
 
-def lazy_like(reference: nn.Module, folder) -> nn.Module:
-    """A lazy model with the lazy ``reference``'s skeleton, config and dtype, its tensors read from the checkpoint
-    ``folder``: a merge of the reference's architecture, built from the reference's config whatever the merge's
-    config.json says (a config written by transformers 5 keeps ``rope_theta`` where 4.x does not look)."""
+def lazy_like(reference: nn.Module, tensors) -> nn.Module:
+    """A lazy model with the lazy ``reference``'s skeleton, config and dtype, its tensors read from ``tensors`` (as
+    ``attach_tensors`` takes them): a merge of the reference's architecture, built from the reference's config
+    whatever the merge's config.json says (a config written by transformers 5 keeps ``rope_theta`` where 4.x does
+    not look)."""
     import copy
 
     model = copy.deepcopy(reference)  # meta parameters: the copy costs the buffers only
-    attach_tensors(model, CheckpointTensors(folder), tensors_of(reference)[1])
+    attach_tensors(model, tensors, tensors_of(reference)[1])
     return model
 
 

@@ -10,13 +10,12 @@ its order and dtypes, so the result is the eager merge bit for bit.
 
 from __future__ import annotations
 
-import copy
 from typing import Callable, Dict, Iterable, List, Mapping
 
 import torch
 from torch import nn
 
-from .lazy import attach_tensors, is_lazy, tensors_of
+from .lazy import is_lazy, lazy_like, tensors_of
 
 
 class TaskArithmeticTensors:
@@ -94,9 +93,7 @@ def lazy_task_arithmetic(base: nn.Module, experts: Mapping[str, nn.Module], scal
     sources = [tensors_of(m) for m in models]
     tensors = TaskArithmeticTensors(sources[0][0], [t for t, _ in sources[1:]], scaling_factor,
                                     [dtype for _, dtype in sources], merged)
-    skeleton = copy.deepcopy(base)  # meta parameters: the copy costs the buffers only
-    attach_tensors(skeleton, tensors, sources[0][1])
-    return skeleton
+    return lazy_like(base, tensors)
 
 
 __all__ = ["TaskArithmeticTensors", "lazy_task_arithmetic"]
