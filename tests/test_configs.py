@@ -69,7 +69,8 @@ def constructor_parameters(target):
 
 
 def test_the_configs_are_the_expected_ones():
-    assert UPSTREAMS == ["adamerging_clip", "simple_average", "task_arithmetic", "task_arithmetic_causallm", "wudi"]
+    assert UPSTREAMS == ["adamerging_clip", "simple_average", "task_arithmetic", "task_arithmetic_causallm",
+                         "ties_merging_causallm", "wudi"]
     for family in ("featcal", "surgery", "probsurgery"):
         assert family in METHOD_CONFIGS
         for setting in ("clip_ta", "clip_simple_average", "clip_adamerging", "clip_wudi", "flan_t5_ta"):
@@ -102,7 +103,20 @@ def test_every_method_config_composes_with_its_own_upstream_replaced_not_merged(
 def test_every_upstream_is_a_fusion_bench_method_of_its_own(method, name):
     cfg = method(f"upstream/{name}")
     assert cfg["_target_"].startswith("fusion_bench.method.")
-    assert name.startswith("task_arithmetic") == bool(TA_ONLY_KEYS & set(cfg))
+    assert name.startswith(("task_arithmetic", "ties_merging")) == bool(TA_ONLY_KEYS & set(cfg))
+
+
+def test_an_llm_config_takes_fusion_benchs_ties_which_out_of_core_computes_tensor_by_tensor(method):
+    from featcal_fusionbench.integration.out_of_core import lazy_upstream
+
+    cfg = method("featcal/causal_lm_ta", "method/upstream=ties_merging_causallm")
+    assert cfg["upstream"] == method("upstream/ties_merging_causallm")
+    assert lazy_upstream(cfg["upstream"]) == {"kind": "ties", "scaling_factor": 0.3, "backbone_only": True,
+                                              "threshold": 20.0, "merge_func": "sum"}
+    # FusionBench's own TIES config for causal LMs has the same values (it also saves the merge and merges it all)
+    fusion_bench = method("linear/ties_merging_for_causallm")
+    assert {k: fusion_bench[k] for k in ("scaling_factor", "threshold", "remove_keys", "merge_func")} == {
+        k: cfg["upstream"][k] for k in ("scaling_factor", "threshold", "remove_keys", "merge_func")}
 
 
 def test_the_shared_baseline_keys_are_abstract_alone(method):
@@ -153,7 +167,11 @@ def test_variants_state_only_what_differs_from_their_base(method):
         if "/" not in name:
             continue
         own = yaml.safe_load((METHOD_DIR / f"{name}.yaml").read_text()) or {}
-        base = method(BASES[name.split("/")[0]])
+        base = {}  # what its parents compose to (`/method/<parent>@_here_` in its defaults), in their order
+        for parent in own.get("defaults", []):
+            if isinstance(parent, str) and parent.endswith("@_here_"):
+                base.update(method(parent[len("/method/"):-len("@_here_")]))
+        base = base or method(BASES[name.split("/")[0]])
         restated = {k for k, v in own.items() if k != "defaults" and k in base and base[k] == v}
         assert not restated, f"{name} restates its base's {sorted(restated)}"
 

@@ -297,3 +297,42 @@ def test_the_sources_checked_are_every_hub_id_a_run_names():
     assert not [s for s in sources if s[0].endswith((".multilingual", ".safety"))]
     assert ("method.calibration_datasets.safety", "MergeBench/safety_val", "dataset") in pool_sources(
         modelpool, calibration)
+
+
+OUT_OF_CORE = ("fusion_bench method=featcal/mergebench_llama3.2_3b_ta method.out_of_core=true "
+               "modelpool=CausalLMPool/mergebench_table4/Llama-3.2-3B-Instruct "
+               "taskpool=LMEvalHarnessTaskPool/mergebench_table4 merged_model_save_path=outputs/llama3.2-3b-ta-featcal")
+
+
+def test_table4_out_of_core_command_reads_hub_ids_block_by_block_as_whole_models_calibrate(hub, tmp_path):
+    """docs/featcal.md's out-of-core command as typed: the gated base and MergeBench's experts read from their hub
+    snapshots a block at a time, their Task Arithmetic computed tensor by tensor, the calibrated model written as it
+    goes and scored by Table 4's six protocols. The same configuration with whole models saves the same tensors."""
+    import torch
+
+    from featcal_fusionbench.models.lazy import CheckpointTensors
+
+    since = len(hub.log)
+    (tmp_path / "ooc").mkdir()
+    report = fusion_bench(hub, tmp_path / "ooc", OUT_OF_CORE, *TINY_LLM, token=TOKEN)
+    assert list(report)[:6] == TABLE4_TASKS, sorted(report)
+    assert all(report[task]["sample_len"] == 2.0 for task in TABLE4_TASKS)
+    assert {"meta-llama/Llama-3.2-3B-Instruct"} | {f"MergeBench/Llama-3.2-3B-Instruct_{d}"
+                                                   for d in ("instruction", "math", "coding")} <= served(hub, since)
+    out_of_core = tmp_path / "ooc" / "outputs" / "llama3.2-3b-ta-featcal"
+    assert (out_of_core / "model.safetensors.index.json").is_file()
+    assert not [p.name for p in out_of_core.parent.iterdir() if ".partial-" in p.name]
+    [featcal_report] = (tmp_path / "ooc").glob("outputs/**/featcal_report.json")
+    featcal_report = json.loads(featcal_report.read_text())
+    assert featcal_report["out_of_core"] and featcal_report["upstream"].endswith("(out of core)"), featcal_report
+
+    whole = OUT_OF_CORE.replace(" method.out_of_core=true", "").replace(
+        "taskpool=LMEvalHarnessTaskPool/mergebench_table4", "taskpool=dummy")
+    (tmp_path / "whole").mkdir()
+    fusion_bench(hub, tmp_path / "whole", whole, *TINY_LLM[:1], token=TOKEN)
+    saved = []
+    for folder in (out_of_core, tmp_path / "whole" / "outputs" / "llama3.2-3b-ta-featcal"):
+        tensors = CheckpointTensors(folder)
+        saved.append(tensors.read(tensors.files))
+    assert saved[0] and saved[0].keys() == saved[1].keys()
+    assert [k for k in saved[0] if not torch.equal(saved[0][k], saved[1][k])] == []

@@ -247,3 +247,86 @@ def test_lazy_task_arithmetic_is_fusion_benchs_bit_for_bit_and_refuses_what_it_r
     with on_device([skeleton], "cpu"):
         assert_equal(state(merged), state(skeleton))
     assert all(p.is_meta for p in skeleton.parameters())  # released again
+
+
+TIES_BACKBONE = {"_target_": "fusion_bench.method.TiesMergingForCausalLM", "scaling_factor": 0.3, "threshold": 20,
+                 "remove_keys": [], "merge_func": "sum", "merge_backbone": True, "model_save_path": None}
+
+
+@pytest.mark.parametrize("arch, dtype, merge_func", [("llama", "float32", "sum"), ("llama", "bfloat16", "mean"),
+                                                     ("gemma2", "float32", "max"), ("llama", "float64", "mean")])
+def test_lazy_ties_merging_is_fusion_benchs_bit_for_bit(arch, dtype, merge_func, tmp_path, monkeypatch):
+    """FusionBench's TIES trims each task vector at one threshold over the whole flattened model (a tied head counted
+    twice, as its state dict lists it) and breaks sign ties by one majority over it: found here by passes over the
+    checkpoints, the threshold by a radix selection on the bits (float64's four digits too), then merged a few
+    elements at a time."""
+    from fusion_bench.method import TiesMergingAlgorithm
+
+    from featcal_fusionbench.models import lazy_merge
+    from featcal_fusionbench.models.lazy import load_lazily
+    from featcal_fusionbench.models.residency import on_device
+
+    monkeypatch.setattr(lazy_merge, "_slices", lambda tensor: list(tensor.reshape(-1).split(7)))
+    base = tiny_causal_lm(arch)
+    if arch == "gemma2":
+        base.config.tie_word_embeddings = True
+        base.tie_weights()
+    models = {"base": base, "a": perturbed(base, 0.05, 1), "b": perturbed(base, 0.05, 2), "c": perturbed(base, 0.05, 3)}
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / name)
+    dtype = getattr(torch, dtype)
+    eager = {name: type(base).from_pretrained(tmp_path / name, torch_dtype=dtype) for name in models}
+    eager = {"_pretrained_": eager.pop("base"), **eager}
+    lazy = {name: load_lazily(type(base), tmp_path / name, dtype) for name in models}
+    merged = TiesMergingAlgorithm(scaling_factor=0.3, threshold=20, remove_keys=[], merge_func=merge_func).run(eager)
+    skeleton = lazy_merge.lazy_ties_merging(lazy.pop("base"), lazy, 0.3, 20, merge_func)
+    with on_device([skeleton], "cpu"):
+        assert_equal(state(merged), state(skeleton))
+
+
+def test_ties_thresholds_are_torch_kthvalue_with_duplicates_zeros_and_every_width(tmp_path):
+    """The radix selection against ``torch.kthvalue`` on magnitudes with many repeats, zeros and subnormals."""
+    from safetensors.torch import save_file
+
+    from featcal_fusionbench.models.lazy import CheckpointTensors
+    from featcal_fusionbench.models.lazy_merge import TiesMergingTensors
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        base = {"x": torch.zeros(40, 25, dtype=dtype), "y": torch.zeros(333, dtype=dtype)}
+        experts = []
+        for e in range(3):
+            values = {k: torch.randint(-6, 7, v.shape, generator=generator).to(dtype) * 0.25 for k, v in base.items()}
+            values["y"][:50] = torch.randn(50, generator=generator, dtype=torch.float64).to(dtype) * 1e-30 * (e + 1)
+            experts.append(values)
+        folders = []
+        for i, tensors in enumerate([base, *experts]):
+            (tmp_path / f"{dtype}{i}").mkdir()
+            save_file(tensors, str(tmp_path / f"{dtype}{i}" / "model.safetensors"))
+            folders.append(CheckpointTensors(tmp_path / f"{dtype}{i}"))
+        keys = ["x", "y", "x"]  # a tied tensor counts once per name
+        for threshold in (20, 0.5, 97):
+            ties = TiesMergingTensors(folders[0], folders[1:], keys, 1.0, threshold, "sum", [dtype] * 4)
+            for e, values in enumerate(experts):
+                flat = torch.cat([values["x"].reshape(-1), values["y"], values["x"].reshape(-1)])
+                assert ties.k == flat.numel() - int(flat.numel() * (threshold / 100 if threshold > 1 else threshold))
+                assert torch.equal(ties.kth[e], flat.abs().kthvalue(ties.k).values), (dtype, threshold, e)
+
+
+TIES_WHOLE = {"_target_": "fusion_bench.method.TiesMergingAlgorithm", "scaling_factor": 0.3, "threshold": 20,
+              "remove_keys": [], "merge_func": "mean"}
+
+
+@pytest.mark.parametrize("upstream", [TIES_BACKBONE, TIES_WHOLE])
+def test_ties_merging_out_of_core_equals_fusion_benchs_eager_merge_and_calibration(upstream, tmp_path):
+    pool = llama_pool(tmp_path)
+    eager, _ = calibrate(pool, upstream=upstream)
+    loaded, _ = calibrate(pool, tmp_path / "calibrated", upstream=upstream, out_of_core=True)
+    assert_equal(state(eager), state(loaded))
+
+
+def test_ties_merging_out_of_core_refuses_remove_keys(tmp_path):
+    pool = llama_pool(tmp_path)
+    with pytest.raises(ValueError, match="upstream.remove_keys .* is not supported"):
+        calibrate(pool, tmp_path / "calibrated", upstream={**TIES_BACKBONE, "remove_keys": ["lm_head.weight"]},
+                  out_of_core=True)

@@ -184,8 +184,8 @@ def blockwise_forward_floor(merged, batches, device) -> float:
 
 
 def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict:
-    """``method.out_of_core``'s work: Task Arithmetic computed per tensor, each calibrated block written as it
-    finishes."""
+    """``method.out_of_core``'s work: Task Arithmetic (or TIES, ``--upstream ties``) computed per tensor, each
+    calibrated block written as it finishes."""
     from transformers import LlamaForCausalLM
 
     from featcal_fusionbench.engine.loop import FeatCalEngine
@@ -194,13 +194,18 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
                                                              model_bytes, write_rest)
     from featcal_fusionbench.models.checkpoint_writer import CheckpointWriter
     from featcal_fusionbench.models.lazy import load_lazily
-    from featcal_fusionbench.models.lazy_merge import lazy_task_arithmetic
+    from featcal_fusionbench.models.lazy_merge import lazy_task_arithmetic, lazy_ties_merging
 
     mapped = map_large_allocations() if args.map_large_allocations else False  # first, as the method does
     base = load_lazily(LlamaForCausalLM, paths["base"], dtype)
     experts = {f"expert{i}": load_lazily(LlamaForCausalLM, paths[f"expert{i}"], dtype) for i in range(args.tasks)}
-    layers = f"{layers_prefix(base)}."  # the LLM configs' upstream: TaskArithmeticForCausalLM, merge_backbone
-    merged = lazy_task_arithmetic(base, experts, 0.3, lambda key: key.startswith(layers))
+    layers = f"{layers_prefix(base)}."  # the LLM configs' upstreams: merge_backbone
+    started = time.perf_counter()
+    if args.upstream == "ties":  # config/method/upstream/ties_merging_causallm.yaml's values
+        merged = lazy_ties_merging(base, experts, 0.3, 20, "sum", lambda key: key.startswith(layers))
+    else:  # task_arithmetic_causallm.yaml's
+        merged = lazy_task_arithmetic(base, experts, 0.3, lambda key: key.startswith(layers))
+    upstream_seconds = time.perf_counter() - started  # TIES' passes over the checkpoints; nothing for TA
     floor = blockwise_forward_floor(merged, batches, device)
     family = CausalLMFamily()
     output = Path(args.workdir) / "calibrated-out_of_core"
@@ -221,6 +226,8 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
         "model_bytes": model_bytes(merged),
         "output_bytes": written,
         "map_large_allocations": mapped,
+        "upstream": args.upstream,
+        "upstream_passes_seconds": upstream_seconds,
         "report": report,
     }
 
@@ -311,6 +318,8 @@ def main():
                         help="the moments' dtype (method.accumulation_dtype; the 3B config's is float64)")
     parser.add_argument("--map-large-allocations", type=int, choices=[0, 1], default=1,
                         help="out_of_core: 1 as the method does (glibc's mmap threshold at 1 MiB), 0 glibc's default")
+    parser.add_argument("--upstream", choices=["task_arithmetic", "ties"], default="task_arithmetic",
+                        help="out_of_core: the merge computed tensor by tensor (the LLM configs' upstreams)")
     parser.add_argument("--storage-dtype", choices=["bfloat16", "float32"],
                         help="the checkpoints' dtype (default: --dtype)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -375,12 +384,13 @@ def main():
                   f"{result['save_rss_before_bytes'] / gib:.2f} -> "
                   f"{result['save_peak_rss_during_bytes'] / gib:.2f} GiB")
         else:
-            print(f"       written block by block: {result['output_bytes'] / gib:.2f} GiB")
+            print(f"       written block by block: {result['output_bytes'] / gib:.2f} GiB; upstream "
+                  f"{result['upstream']} (passes before calibration {result['upstream_passes_seconds']:.1f} s)")
         print("       disk: " + ", ".join(f"{n} {b / gib:.2f} GiB" for n, b in result["disk_bytes"].items()))
     summary = {**provenance(__file__, args.device), "arch": args.arch, "layers": args.layers, "tasks": args.tasks, "n": args.n,
                "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype,
                "storage_dtype": args.storage_dtype, "accumulation_dtype": args.accumulation_dtype,
-               "device": args.device,
+               "device": args.device, "upstream": args.upstream,
                "stream_device_bytes": args.stream_device_bytes, "stream_spill": args.stream_spill,
                "results": results}
     if args.json:

@@ -60,6 +60,13 @@ def test_the_llm_memory_bench_runs_every_loading_mode_at_a_tiny_llama_shape(tmp_
     assert len(layer_shards) == 2 and len(other_shards) == len(set(other_shards)) == 2
     assert not layer_shards & set(other_shards)
     assert not list((tmp_path / "ckpt").glob("calibrated-*"))  # the saved copies are removed
+    assert out_of_core["upstream"] == "task_arithmetic"
+    # out of core after TIES: its passes over the checkpoints timed apart, the same checkpoints reused
+    subprocess.run([*command[:-1], str(tmp_path / "ties.json"), "--modes", "out_of_core", "--upstream", "ties"],
+                   check=True, capture_output=True, text=True, timeout=600)
+    (ties,) = json.loads((tmp_path / "ties.json").read_text())["results"]
+    assert ties["upstream"] == "ties" and ties["upstream_passes_seconds"] > 0 and ties["output_bytes"] > 0
+    assert ties["last_block_cosine"] != out_of_core["last_block_cosine"]  # another merge
 
 
 def test_bench_rows_times_every_component_on_a_tiny_model(tmp_path):

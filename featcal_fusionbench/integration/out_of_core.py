@@ -2,7 +2,7 @@
 
 The merged model is a lazy model like the base and the experts (``models.lazy``): read from ``merged_model_path``
 or the pool's ``_merged_`` (any merger's safetensors checkpoint, mergekit's included), or computed tensor by tensor
-from the lazy base and experts when the upstream is FusionBench's Task Arithmetic (``models.lazy_merge``). Each
+from the lazy base and experts when the upstream is FusionBench's Task Arithmetic or TIES (``models.lazy_merge``). Each
 block is read when its turn comes, calibrated, written to the output checkpoint and released; the tensors outside
 the blocks (embeddings, final norm, head), which FeatCal never changes, are copied through a module at a time. The
 output is an HF folder (safetensors shards, their index, config, generation config, tokenizer) that
@@ -22,7 +22,7 @@ from torch import nn
 from ..models.checkpoint_writer import CheckpointWriter
 from ..models.checks import check_checkpoint_matches, warn_config_differences
 from ..models.lazy import CheckpointTensors, checkpoint_folder, entry_path, lazy_like, tied_names
-from ..models.lazy_merge import lazy_task_arithmetic
+from ..models.lazy_merge import lazy_task_arithmetic, lazy_ties_merging
 from ..models.residency import on_device
 from .upstream import check_upstream_source, describe_upstream
 
@@ -31,24 +31,30 @@ log = logging.getLogger(__name__)
 #: the default output folder under the run's log folder when the program saves nothing
 DEFAULT_OUTPUT = "featcal_model"
 
-# FusionBench's Task Arithmetic classes (``fusion_bench/method/__init__.py`` exports them under these names), and
-# whether the class merges only the decoder layers when ``merge_backbone`` is set
-# (``fusion_bench/method/linear/task_arithmetic_for_causallm.py``: ``model.model.layers`` from a CausalLMBackbonePool).
+# FusionBench's per-element mergers that run tensor by tensor here (``fusion_bench/method/__init__.py`` exports them
+# under these names), and whether the class merges only the decoder layers when ``merge_backbone`` is set
+# (``fusion_bench/method/linear/task_arithmetic_for_causallm.py``, ``ties_merging_for_causallm.py``:
+# ``model.model.layers`` from a CausalLMBackbonePool).
 TASK_ARITHMETIC = {
     "TaskArithmeticAlgorithm": False,
     "TaskArithmeticForCausalLM": True,
     "TaskArithmeticForLlama": True,
 }
+TIES_MERGING = {
+    "TiesMergingAlgorithm": False,
+    "TiesMergingForCausalLM": True,
+}
 
 
-def task_arithmetic_upstream(upstream: Any) -> Optional[Dict[str, Any]]:
-    """The upstream config's Task Arithmetic settings (``scaling_factor``, ``backbone_only``) when it is one of
-    FusionBench's Task Arithmetic classes, else None."""
+def lazy_upstream(upstream: Any) -> Optional[Dict[str, Any]]:
+    """The upstream config's settings when it is one of FusionBench's Task Arithmetic or TIES classes (``kind``,
+    ``scaling_factor``, ``backbone_only``; TIES' ``threshold`` and ``merge_func``), else None."""
     if not isinstance(upstream, (dict, DictConfig)):
         return None
     target = str(upstream.get("_target_", ""))
     name = target.rsplit(".", 1)[-1]
-    if not target.startswith("fusion_bench.") or name not in TASK_ARITHMETIC:
+    backbone = {**TASK_ARITHMETIC, **TIES_MERGING}
+    if not target.startswith("fusion_bench.") or name not in backbone:
         return None  # another class of that name may merge otherwise
     if upstream.get("model_save_path") is not None:
         raise ValueError(
@@ -56,19 +62,26 @@ def task_arithmetic_upstream(upstream: Any) -> Optional[Dict[str, Any]]:
             "it cannot save it: set upstream.model_save_path=null (the calibrated model is saved)")
     if not upstream.get("inplace", True):
         log.info("upstream.inplace=false changes nothing out of core: the base is never modified")
-    return {"scaling_factor": float(upstream["scaling_factor"]),
-            "backbone_only": TASK_ARITHMETIC[name] and bool(upstream.get("merge_backbone", False))}
+    settings = {"kind": "ties" if name in TIES_MERGING else "task_arithmetic",
+                "scaling_factor": float(upstream["scaling_factor"]),
+                "backbone_only": backbone[name] and bool(upstream.get("merge_backbone", False))}
+    if settings["kind"] == "ties":
+        if upstream.get("remove_keys"):
+            raise ValueError(f"out_of_core merges every tensor of {name}; upstream.remove_keys "
+                             f"{list(upstream['remove_keys'])} is not supported (set it to [])")
+        settings.update(threshold=float(upstream["threshold"]), merge_func=str(upstream.get("merge_func", "sum")))
+    return settings
 
 
 def check_out_of_core(modelpool, upstream: Any, merged_model_path: Optional[str], *, return_upstream: bool,
                       auto_select: bool, world_size: int) -> None:
     """Refuse, before any model is read, what out of core cannot do."""
     check_upstream_source(modelpool, upstream, merged_model_path)
-    if merged_model_path is None and not modelpool.has_merged and task_arithmetic_upstream(upstream) is None:
+    if merged_model_path is None and not modelpool.has_merged and lazy_upstream(upstream) is None:
         raise ValueError(
             f"out_of_core reads the merged model block by block: the upstream {describe_upstream(upstream)} would "
             "build it whole; give its saved checkpoint as method.merged_model_path (or the pool's `_merged_`), or use "
-            "FusionBench's Task Arithmetic as the upstream (computed tensor by tensor)")
+            "FusionBench's Task Arithmetic or TIES as the upstream (computed tensor by tensor)")
     if return_upstream:
         raise ValueError("return_upstream keeps the upstream model whole beside the calibrated one; with out_of_core, "
                          "evaluate the upstream merge from its own checkpoint")
@@ -94,9 +107,13 @@ def load_lazy_merged(modelpool, upstream: Any, merged_model_path: Optional[str],
         check_checkpoint_matches(folder, base, label)
         warn_config_differences(folder, base, label)
         return lazy_like(base, CheckpointTensors(folder)), source
-    settings = task_arithmetic_upstream(upstream)
+    settings = lazy_upstream(upstream)
     layers = f"{layers_prefix(base)}." if settings["backbone_only"] else ""
-    merged = lazy_task_arithmetic(base, experts, settings["scaling_factor"], lambda key: key.startswith(layers))
+    if settings["kind"] == "ties":
+        merged = lazy_ties_merging(base, experts, settings["scaling_factor"], settings["threshold"],
+                                   settings["merge_func"], lambda key: key.startswith(layers))
+    else:
+        merged = lazy_task_arithmetic(base, experts, settings["scaling_factor"], lambda key: key.startswith(layers))
     return merged, f"method:{describe_upstream(upstream)} (out of core)"
 
 
@@ -193,5 +210,5 @@ def save_config_and_tokenizer(model: nn.Module, modelpool):
     return save
 
 
-__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "load_lazy_merged", "map_large_allocations",
-           "model_bytes", "output_path", "save_config_and_tokenizer", "task_arithmetic_upstream", "write_rest"]
+__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "lazy_upstream", "load_lazy_merged",
+           "map_large_allocations", "model_bytes", "output_path", "save_config_and_tokenizer", "write_rest"]
