@@ -32,7 +32,7 @@ from fusion_bench.models.open_clip import ClassificationHead, ImageClassifier
 from fusion_bench.taskpool import OpenCLIPVisionModelTaskPool
 from fusion_bench.utils import instantiate
 
-from helpers import perturbed, task_arithmetic, tiny_clip_vision
+from helpers import perturbed, tiny_clip_vision
 
 TINY = "featcal-tiny"
 TASKS = ["sun-397", "cars"]  # a dash: the maps are keyed by FusionBench's regularize_name
