@@ -25,23 +25,41 @@ from torch import nn
 from .lazy import is_lazy, lazy_like, tensors_of, tied_names
 
 
-class TaskArithmeticTensors:
-    """``base + scaling * sum_i (expert_i - base)`` for the keys ``merged(key)`` selects; the base's tensor for the
-    others (FusionBench's ``merge_backbone`` keeps embeddings and head from the base)."""
+class _MergedTensors:
+    """What a lazy model reads a merge's tensors from (``models.lazy.attach_tensors``): each tensor ``_merge``d from
+    the base's and the experts' checkpoints when it is read, for the keys ``merged(key)`` selects; the base's tensor
+    for the others (FusionBench's ``merge_backbone`` keeps embeddings and head from the base)."""
 
-    def __init__(self, base, experts: List, scaling_factor: float, dtypes: List[torch.dtype],
-                 merged: Callable[[str], bool] = lambda key: True):
-        self.base, self.experts, self.scaling_factor, self.merged = base, experts, scaling_factor, merged
+    def __init__(self, merger: str, base, experts: List, scaling_factor: float, dtypes: List[torch.dtype],
+                 merged: Callable[[str], bool]):
+        self.merger, self.base, self.experts, self.merged = merger, base, experts, merged
+        self.scaling_factor = scaling_factor
         self.base_dtype = dtypes[0]
-        if set(dtypes) != {self.base_dtype}:  # FusionBench's state_dict_sub refuses them too (a "Dtype mismatch")
-            raise ValueError(f"Task Arithmetic of models in different dtypes: {[str(d) for d in dtypes]}")
-        self.folder = f"Task Arithmetic ({scaling_factor}) of {base.folder} and {len(experts)} expert(s)"
+        if set(dtypes) != {self.base_dtype}:  # FusionBench refuses them too (state_dict_sub's "Dtype mismatch")
+            raise ValueError(f"{merger} of models in different dtypes: {[str(d) for d in dtypes]}")
 
     def __contains__(self, key: str) -> bool:
         return key in self.base and (not self.merged(key) or all(key in e for e in self.experts))
 
     def read(self, keys: Iterable[str]) -> Dict[str, torch.Tensor]:
         return {key: self._merge(key) for key in keys}
+
+    def _merge(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_shape(self, key, expert, base, tensors) -> None:
+        if expert.shape != base.shape:
+            raise ValueError(f"{self.merger}: {key} is {tuple(expert.shape)} in {tensors.folder} and "
+                             f"{tuple(base.shape)} in the base {self.base.folder}")
+
+
+class TaskArithmeticTensors(_MergedTensors):
+    """``base + scaling * sum_i (expert_i - base)``."""
+
+    def __init__(self, base, experts: List, scaling_factor: float, dtypes: List[torch.dtype],
+                 merged: Callable[[str], bool] = lambda key: True):
+        super().__init__("Task Arithmetic", base, experts, scaling_factor, dtypes, merged)
+        self.folder = f"Task Arithmetic ({scaling_factor}) of {base.folder} and {len(experts)} expert(s)"
 
     def _merge(self, key: str) -> torch.Tensor:
         """One tensor. Element by element FusionBench's ops, but in place and a slice at a time: at LLM scale an
@@ -78,11 +96,6 @@ class TaskArithmeticTensors:
             return base + task_vector.clone()
         return base + self.scaling_factor * task_vector
 
-    def _check_shape(self, key, expert, base, tensors) -> None:
-        if expert.shape != base.shape:
-            raise ValueError(f"Task Arithmetic: {key} is {tuple(expert.shape)} in {tensors.folder} and "
-                             f"{tuple(base.shape)} in the base {self.base.folder}")
-
 
 def _slices(tensor: torch.Tensor, size: int = 1 << 24) -> List[torch.Tensor]:
     """Views of consecutive elements: 64 MiB of float32 each."""
@@ -94,7 +107,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIGIT = 16  # bits of the radix selection's digit: a 65,536-bin histogram a pass
 
 
-class TiesMergingTensors:
+class TiesMergingTensors(_MergedTensors):
     """FusionBench's TIES merge, ``base + scaling * disjoint_merge(trim(expert_i - base))``, for the keys ``merged``
     selects (the base's tensor for the others, as ``TiesMergingForCausalLM``'s ``merge_backbone`` does).
 
@@ -107,11 +120,8 @@ class TiesMergingTensors:
                  merge_func: str, dtypes: List[torch.dtype], merged: Callable[[str], bool] = lambda key: True):
         from fusion_bench.method.ties_merging.ties_merging_utils import disjoint_merge
 
-        self.base, self.experts, self.scaling_factor, self.merged = base, experts, scaling_factor, merged
+        super().__init__("TIES merging", base, experts, scaling_factor, dtypes, merged)
         self.merge_func, self._disjoint_merge = merge_func, disjoint_merge
-        self.dtype = dtypes[0]
-        if set(dtypes) != {self.dtype}:  # FusionBench's vstack of the flattened models would mix them
-            raise ValueError(f"TIES merging of models in different dtypes: {[str(d) for d in dtypes]}")
         if merge_func.split("-")[-1] not in ("sum", "mean", "max"):
             raise ValueError(f"TIES merging: merge_func {merge_func!r} is not sum, mean or max")
         self.folder = f"TIES ({scaling_factor}, top {threshold}) of {base.folder} and {len(experts)} expert(s)"
@@ -126,12 +136,6 @@ class TiesMergingTensors:
         self.kth = self._thresholds()
         self.majority = self._majority_sign()
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.base and (not self.merged(key) or all(key in e for e in self.experts))
-
-    def read(self, keys: Iterable[str]) -> Dict[str, torch.Tensor]:
-        return {key: self._merge(key) for key in keys}
-
     def _task_vectors(self, key: str):
         """The base's tensor and, a slice at a time, the experts' task vectors stacked ``[experts, elements]``."""
         base = self.base.read([key])[key]
@@ -140,19 +144,18 @@ class TiesMergingTensors:
         experts = []
         for tensors in self.experts:
             expert = tensors.read([key])[key]
-            if expert.shape != base.shape:
-                raise ValueError(f"TIES merging: {key} is {tuple(expert.shape)} in {tensors.folder} and "
-                                 f"{tuple(base.shape)} in the base {self.base.folder}")
+            self._check_shape(key, expert, base, tensors)
             experts.append(expert)
+        dtype = self.base_dtype
         slices = zip(_slices(base), *(_slices(e) for e in experts))
-        return base, ((b, torch.stack([e.to(self.dtype) - b.to(self.dtype) for e in es])) for b, *es in slices)
+        return base, ((b, torch.stack([e.to(dtype) - b.to(dtype) for e in es])) for b, *es in slices)
 
     def _thresholds(self) -> torch.Tensor:
         """Each task vector's k-th smallest magnitude over every merged tensor, as ``torch.kthvalue`` finds it: the
         magnitudes' bits, a 16-bit digit at a time from the top, each pass a histogram of the next digit among the
         elements whose higher digits are the k-th's."""
-        width = self.dtype.itemsize * 8
-        bits_dtype = _BITS[self.dtype.itemsize]
+        width = self.base_dtype.itemsize * 8
+        bits_dtype = _BITS[self.base_dtype.itemsize]
         experts = len(self.experts)
         prefix = torch.zeros(experts, dtype=torch.int64)  # the k-th's digits found so far
         rank = torch.full((experts,), self.k, dtype=torch.int64)  # its rank among the elements with that prefix
@@ -174,7 +177,7 @@ class TiesMergingTensors:
             chosen = torch.searchsorted(below[:, 1:].contiguous(), rank[:, None]).squeeze(1)
             rank -= below.gather(1, chosen[:, None]).squeeze(1)
             prefix = (prefix << _DIGIT) | chosen
-        return prefix.to(bits_dtype).view(self.dtype)
+        return prefix.to(bits_dtype).view(self.base_dtype)
 
     def _trimmed(self, vector: torch.Tensor) -> torch.Tensor:
         return vector * (vector.abs() >= self.kth[:, None])  # topk_values_mask's ``M * final_mask``
@@ -189,18 +192,19 @@ class TiesMergingTensors:
             for _, vector in vectors:
                 signs = torch.sign(self._trimmed(vector).sum(dim=0))
                 balance += uses * (int((signs > 0).sum()) - int((signs < 0).sum()))
-        return torch.tensor(float((balance > 0) - (balance < 0)), dtype=self.dtype)
+        return torch.tensor(float((balance > 0) - (balance < 0)), dtype=self.base_dtype)
 
     def _merge(self, key: str) -> torch.Tensor:
         if not self.merged(key):
-            return self.base.read([key])[key].to(self.dtype)
+            return self.base.read([key])[key].to(self.base_dtype)
         base, vectors = self._task_vectors(key)
-        merged = torch.empty(base.shape, dtype=self.dtype)
+        merged = torch.empty(base.shape, dtype=self.base_dtype)
         for out, (b, vector) in zip(_slices(merged), vectors):
             trimmed = self._trimmed(vector)
             signs = torch.sign(trimmed.sum(dim=0))  # resolve_sign
             signs[signs == 0] = self.majority
-            out.copy_(b.to(self.dtype) + self.scaling_factor * self._disjoint_merge(trimmed, self.merge_func, signs))
+            merged_vector = self._disjoint_merge(trimmed, self.merge_func, signs)
+            out.copy_(b.to(self.base_dtype) + self.scaling_factor * merged_vector)
         return merged
 
 
