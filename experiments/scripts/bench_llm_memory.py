@@ -47,6 +47,9 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[2]
+# --upstream -> the upstream config (config/method/upstream/) out of core computes tensor by tensor
+UPSTREAMS = {"task_arithmetic": "task_arithmetic_causallm", "ties": "ties_merging_causallm"}
 from bench_calibration import (  # noqa: E402
     RSSSampler, in_subprocess, model_bytes, provenance, stage_figures, sync, write_json,
 )
@@ -190,21 +193,20 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
 
     from featcal_fusionbench.engine.loop import FeatCalEngine
     from featcal_fusionbench.families.causal_lm import CausalLMFamily
-    from featcal_fusionbench.integration.out_of_core import (block_sink, layers_prefix, map_large_allocations,
-                                                             model_bytes, write_rest)
+    from omegaconf import OmegaConf
+
+    from featcal_fusionbench.integration.out_of_core import (block_sink, lazy_merge_of, lazy_upstream,
+                                                             map_large_allocations, model_bytes, write_rest)
     from featcal_fusionbench.models.checkpoint_writer import CheckpointWriter
     from featcal_fusionbench.models.lazy import load_lazily
-    from featcal_fusionbench.models.lazy_merge import lazy_task_arithmetic, lazy_ties_merging
 
     mapped = map_large_allocations() if args.map_large_allocations else False  # first, as the method does
     base = load_lazily(LlamaForCausalLM, paths["base"], dtype)
     experts = {f"expert{i}": load_lazily(LlamaForCausalLM, paths[f"expert{i}"], dtype) for i in range(args.tasks)}
-    layers = f"{layers_prefix(base)}."  # the LLM configs' upstreams: merge_backbone
+    # the LLM configs' upstreams, as the method reads them
+    upstream = OmegaConf.load(REPO / "config" / "method" / "upstream" / f"{UPSTREAMS[args.upstream]}.yaml")
     started = time.perf_counter()
-    if args.upstream == "ties":  # config/method/upstream/ties_merging_causallm.yaml's values
-        merged = lazy_ties_merging(base, experts, 0.3, 20, "sum", lambda key: key.startswith(layers))
-    else:  # task_arithmetic_causallm.yaml's
-        merged = lazy_task_arithmetic(base, experts, 0.3, lambda key: key.startswith(layers))
+    merged = lazy_merge_of(base, experts, lazy_upstream(upstream))
     upstream_seconds = time.perf_counter() - started  # TIES' passes over the checkpoints; nothing for TA
     floor = blockwise_forward_floor(merged, batches, device)
     family = CausalLMFamily()
@@ -318,8 +320,8 @@ def main():
                         help="the moments' dtype (method.accumulation_dtype; the 3B config's is float64)")
     parser.add_argument("--map-large-allocations", type=int, choices=[0, 1], default=1,
                         help="out_of_core: 1 as the method does (glibc's mmap threshold at 1 MiB), 0 glibc's default")
-    parser.add_argument("--upstream", choices=["task_arithmetic", "ties"], default="task_arithmetic",
-                        help="out_of_core: the merge computed tensor by tensor (the LLM configs' upstreams)")
+    parser.add_argument("--upstream", choices=sorted(UPSTREAMS), default="task_arithmetic",
+                        help="out_of_core: the merge computed tensor by tensor (config/method/upstream/)")
     parser.add_argument("--storage-dtype", choices=["bfloat16", "float32"],
                         help="the checkpoints' dtype (default: --dtype)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")

@@ -107,14 +107,20 @@ def load_lazy_merged(modelpool, upstream: Any, merged_model_path: Optional[str],
         check_checkpoint_matches(folder, base, label)
         warn_config_differences(folder, base, label)
         return lazy_like(base, CheckpointTensors(folder)), source
-    settings = lazy_upstream(upstream)
+    return lazy_merge_of(base, experts, lazy_upstream(upstream)), f"method:{describe_upstream(upstream)} (out of core)"
+
+
+def lazy_merge_of(base: nn.Module, experts: Dict[str, nn.Module], settings: Dict[str, Any]) -> nn.Module:
+    """The merge ``lazy_upstream``'s ``settings`` describe, of the lazy base and experts, computed tensor by tensor."""
     layers = f"{layers_prefix(base)}." if settings["backbone_only"] else ""
+
+    def merged(key: str) -> bool:
+        return key.startswith(layers)
+
     if settings["kind"] == "ties":
-        merged = lazy_ties_merging(base, experts, settings["scaling_factor"], settings["threshold"],
-                                   settings["merge_func"], lambda key: key.startswith(layers))
-    else:
-        merged = lazy_task_arithmetic(base, experts, settings["scaling_factor"], lambda key: key.startswith(layers))
-    return merged, f"method:{describe_upstream(upstream)} (out of core)"
+        return lazy_ties_merging(base, experts, settings["scaling_factor"], settings["threshold"],
+                                 settings["merge_func"], merged)
+    return lazy_task_arithmetic(base, experts, settings["scaling_factor"], merged)
 
 
 def layers_prefix(model: nn.Module) -> str:
@@ -210,5 +216,5 @@ def save_config_and_tokenizer(model: nn.Module, modelpool):
     return save
 
 
-__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "lazy_upstream", "load_lazy_merged",
+__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "lazy_merge_of", "lazy_upstream", "load_lazy_merged",
            "map_large_allocations", "model_bytes", "output_path", "save_config_and_tokenizer", "write_rest"]
