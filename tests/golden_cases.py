@@ -27,7 +27,7 @@ GOLDEN_DIR = Path(__file__).parent / "golden"
 TENSORS = GOLDEN_DIR / "contract.safetensors"
 REPORTS = GOLDEN_DIR / "contract.json"
 #: report fields that measure the run (time) rather than its result
-VOLATILE = {"seconds", "phase_seconds"}
+VOLATILE = {"seconds", "phase_seconds", "selection_seconds", "search_seconds", "final_seconds"}
 #: the per-block choice's grid, small enough for every case and wide enough that blocks choose differently
 GRID = {"lambda_": (1e-3, 1e-1), "rho": (1.0, 2.0), "alpha": (0.3, 0.6)}
 
@@ -63,18 +63,16 @@ def calibrate_fixed(family, merged, base, experts, data, examples):
 
 
 def calibrate_selected(family, merged, base, experts, data, examples):
-    """The per-block choice (criterion ``objective``) on all batches but the last, held out; then the final
-    calibration on every batch with the chosen schedule."""
-    from featcal_fusionbench.autoselect.search import select_per_block
-    from featcal_fusionbench.engine.policy import FixedHParams
+    """The per-block choice (criterion ``objective``) on all batches but the last, held out, each block then solved
+    with its choice on every batch: one calibration."""
+    from featcal_fusionbench.autoselect.search import calibrate_per_block
     from featcal_fusionbench.core.hparams import FeatCalHParams
 
     hp = FeatCalHParams(num_calibration_examples=examples, batch_size=4)
     fit = {t: iter(v[:-1]) for t, v in data.items()}
     held = {t: iter(v[-1:]) for t, v in data.items()}
-    schedule, search = select_per_block(make_engine, family, hp, GRID, merged, base, experts, fit, held)
-    final = make_engine(hp, family, policy=FixedHParams(schedule)).run(merged, base, experts, {t: iter(v) for t, v in data.items()})
-    return merged, {"search": search, "final": final}
+    report, choice, search = calibrate_per_block(make_engine, family, hp, GRID, merged, base, experts, fit, held)
+    return merged, {"search": search, "choice": choice, "final": report}
 
 
 def run_cases() -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:

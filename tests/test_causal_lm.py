@@ -619,15 +619,16 @@ def test_an_expert_or_pool_merge_whose_tensors_differ_fails_before_the_pool_load
 
 @pytest.mark.slow
 def test_lazy_loading_and_out_of_core_through_the_cli_calibrate_exactly_as_whole_models(tiny_llama_pool, tmp_path):
-    """`method.lazy_loading=true`: the base and experts are read from the pool's safetensors folders one block at a
-    time; `method.out_of_core=true`: the Task Arithmetic merge too, computed tensor by tensor, and the calibrated
+    """`method.models_in_memory=merged`: the base and experts are read from the pool's safetensors folders one block
+    at a time; `=none`: the Task Arithmetic merge too, computed tensor by tensor, and the calibrated
     model is written block by block to `merged_model_save_path` (shards and their index), then loaded for the task
     pool. The calibrated model is the same, bit for bit."""
     from featcal_fusionbench.models.lazy import CheckpointTensors
 
     common = ("method=featcal/causal_lm_ta", "method.num_calibration_examples=8", "method.batch_size=4",
               tiny_llama_pool["search"], "modelpool=tiny_llama", "taskpool=dummy")
-    runs = {"whole": (), "lazy": ("method.lazy_loading=true",), "out_of_core": ("method.out_of_core=true",)}
+    runs = {"whole": ("method.models_in_memory=all",), "lazy": ("method.models_in_memory=merged",),
+            "out_of_core": ("method.models_in_memory=none",)}
     for name, options in runs.items():
         fusion_bench_run(tmp_path, *common, *options, f"path.log_dir={tmp_path / name}",
                          f"merged_model_save_path={tmp_path / name / 'calibrated'}")
@@ -639,6 +640,5 @@ def test_lazy_loading_and_out_of_core_through_the_cli_calibrate_exactly_as_whole
     assert all(torch.equal(saved[name][k], saved["whole"][k]) for name in runs for k in saved["whole"])
     assert (tmp_path / "out_of_core" / "calibrated" / "model.safetensors.index.json").is_file()  # not saved twice
     reports = {name: json.loads((tmp_path / name / "featcal_report.json").read_text()) for name in runs}
-    modes = [(r["lazy_loading"], r["out_of_core"]) for r in reports.values()]
-    assert modes == [(False, False), (True, False), (False, True)]
+    assert [r["models_in_memory"] for r in reports.values()] == ["all", "merged", "none"]
     assert reports["out_of_core"]["upstream"] == "method:fusion_bench.method.TaskArithmeticForCausalLM (out of core)"

@@ -40,3 +40,40 @@ def test_two_gloo_ranks_match_one_process(toy_world, tmp_path):
     linear = {key for key in upstream
               if ".encoder.layers." in key and key.endswith(("proj.weight", "fc1.weight", "fc2.weight"))}
     assert len(linear) == 2 * 6 and linear <= moved, sorted(linear - moved)
+
+
+def calibrate_out_of_core(fabric, pool, out_dir):
+    import types
+
+    from test_out_of_core import ARGS, TA_BACKBONE
+
+    algo = FeatCalAlgorithm(**{**ARGS, "num_calibration_examples": 12}, upstream=TA_BACKBONE, models_in_memory="none",
+                            return_upstream=True, auto_select={"grid": {"lambda_": [1e-4, 1e-2, 1.0], "rho": [0.5, 2.0]}})
+    algo._fabric_instance = fabric
+    algo._program = types.SimpleNamespace(merged_model_save_path=str(out_dir), log_dir=None, _taskpool=None)
+    assert algo.run(pool) is None  # no task pool: both models stay on disk
+
+
+def test_two_gloo_ranks_out_of_core_with_auto_select_and_the_upstream_match_one_process(tmp_path):
+    """Out of core on two ranks: each streams its shard, the moments (the held-out ones too) are all-reduced before
+    every choice and solve, rank 0 writes the calibrated model and the upstream, the other waits at each block."""
+    from safetensors.torch import load_file
+    from test_out_of_core import llama_pool
+
+    pool = llama_pool(tmp_path)
+    calibrate_out_of_core(L.Fabric(accelerator="cpu", devices=1), pool, tmp_path / "single")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")
+    fabric.launch(calibrate_out_of_core, pool, tmp_path / "two")
+
+    def tensors(folder):
+        return {k: v for shard in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(shard)).items()}
+
+    for suffix in ("", "_upstream"):
+        single, two = tensors(tmp_path / f"single{suffix}"), tensors(tmp_path / f"two{suffix}")
+        assert single.keys() == two.keys() and single
+        for key, expected in single.items():
+            torch.testing.assert_close(two[key], expected, rtol=1e-4, atol=1e-5, msg=key)
+    upstream, calibrated = tensors(tmp_path / "two_upstream"), tensors(tmp_path / "two")
+    assert not torch.equal(upstream["model.layers.1.mlp.down_proj.weight"],
+                           calibrated["model.layers.1.mlp.down_proj.weight"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a partial folder was left"

@@ -176,8 +176,8 @@ class RhoChoice:
         self.hp, self.sums = dataclasses.replace(hparams, rho=rho), BlockSums()
         self.report = {"rho": rho}
 
-    def add_task(self, step, fit, heldout, expert_sites):
-        step.fold(fit, expert_sites, self.sums, self.hp)
+    def add_task(self, step, moments, expert_sites):
+        step.fold(moments, expert_sites, self.sums, self.hp)
 
     def solve(self, step):
         return step.solve(self.sums, self.hp, consume=True)

@@ -321,12 +321,12 @@ def test_table4_out_of_core_command_reads_hub_ids_block_by_block_as_whole_models
                                                    for d in ("instruction", "math", "coding")} <= served(hub, since)
     out_of_core = tmp_path / "ooc" / "outputs" / "llama3.2-3b-ta-featcal"
     assert (out_of_core / "model.safetensors.index.json").is_file()
-    assert not [p.name for p in out_of_core.parent.iterdir() if ".partial-" in p.name]
+    assert not [p.name for p in out_of_core.parent.iterdir() if ".partial" in p.name]
     [featcal_report] = (tmp_path / "ooc").glob("outputs/**/featcal_report.json")
     featcal_report = json.loads(featcal_report.read_text())
-    assert featcal_report["out_of_core"] and featcal_report["upstream"].endswith("(out of core)"), featcal_report
+    assert featcal_report["models_in_memory"] == "none" and featcal_report["upstream"].endswith("(out of core)"), featcal_report
 
-    whole = OUT_OF_CORE.replace(" method.out_of_core=true", "").replace(
+    whole = OUT_OF_CORE.replace(" method.out_of_core=true", " method.models_in_memory=all").replace(
         "taskpool=LMEvalHarnessTaskPool/mergebench_table4", "taskpool=dummy")
     (tmp_path / "whole").mkdir()
     fusion_bench(hub, tmp_path / "whole", whole, *TINY_LLM[:1], token=TOKEN)
@@ -336,3 +336,28 @@ def test_table4_out_of_core_command_reads_hub_ids_block_by_block_as_whole_models
         saved.append(tensors.read(tensors.files))
     assert saved[0] and saved[0].keys() == saved[1].keys()
     assert [k for k in saved[0] if not torch.equal(saved[0][k], saved[1][k])] == []
+
+
+OUT_OF_CORE_AUTO = ("fusion_bench method=featcal/mergebench_llama3.2_3b_ta method.models_in_memory=none "
+                    "method.auto_select=true method.return_upstream=true "
+                    "modelpool=CausalLMPool/mergebench_table4/Llama-3.2-3B-Instruct "
+                    "taskpool=LMEvalHarnessTaskPool/mergebench_table4 "
+                    "merged_model_save_path=outputs/llama3.2-3b-ta-featcal-auto")
+
+
+def test_table4_out_of_core_auto_select_command_scores_the_upstream_and_featcal(hub, tmp_path):
+    """docs/featcal.md's second out-of-core command as typed: lambda and rho chosen per block on held-out moments in
+    the one pass, the upstream written beside the calibrated model, both scored by Table 4's protocols in turn."""
+    report = fusion_bench(hub, tmp_path, OUT_OF_CORE_AUTO, *TINY_LLM, "method.num_calibration_examples=4",
+                          token=TOKEN)
+    for model in ("upstream", "featcal"):
+        assert list(report[model])[:6] == TABLE4_TASKS, sorted(report[model])
+    out = tmp_path / "outputs" / "llama3.2-3b-ta-featcal-auto"
+    for folder in (out, out.with_name(out.name + "_upstream")):
+        assert (folder / "model.safetensors.index.json").is_file(), folder
+    [featcal_report] = tmp_path.glob("outputs/**/featcal_report.json")
+    featcal_report = json.loads(featcal_report.read_text())
+    auto = featcal_report["auto_select"]
+    assert auto["criterion"] == "objective" and auto["calibrations"] == 1
+    assert len(auto["choice"]["per_block"]) == featcal_report["num_blocks"]
+    assert featcal_report["output"]["upstream_path"].endswith("llama3.2-3b-ta-featcal-auto_upstream")

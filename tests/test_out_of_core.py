@@ -67,7 +67,7 @@ def test_task_arithmetic_out_of_core_equals_fusion_benchs_eager_merge_and_calibr
     pool = llama_pool(tmp_path, dtype=dtype)
     eager, _ = calibrate(pool, upstream=upstream)
     out = tmp_path / "calibrated"
-    loaded, program = calibrate(pool, out, upstream=upstream, out_of_core=True)
+    loaded, program = calibrate(pool, out, upstream=upstream, models_in_memory="none")
     assert_equal(state(eager), state(loaded))
     assert loaded.dtype == eager.dtype
     files = {p.name for p in out.iterdir()}
@@ -84,8 +84,8 @@ def test_a_saved_merge_is_calibrated_out_of_core_exactly_as_whole(arch, tmp_path
     tied head is written once, as the embedding, and loads tied."""
     pool = llama_pool(tmp_path, arch, merged=lambda base: perturbed(base, 0.02, 5))
     eager, _ = calibrate(pool)
-    from_pool, _ = calibrate(pool, tmp_path / "a", out_of_core=True)
-    from_path, _ = calibrate(pool, tmp_path / "b", out_of_core=True, merged_model_path=str(tmp_path / "merged"))
+    from_pool, _ = calibrate(pool, tmp_path / "a", models_in_memory="none")
+    from_path, _ = calibrate(pool, tmp_path / "b", models_in_memory="none", merged_model_path=str(tmp_path / "merged"))
     assert_equal(state(eager), state(from_pool))
     assert_equal(state(eager), state(from_path))
     written = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())["weight_map"]
@@ -103,7 +103,7 @@ def test_a_merge_whose_config_json_transformers_5_wrote_is_read_with_the_bases_c
     (tmp_path / "merged" / "config.json").write_text(json.dumps(config))
     with caplog.at_level("WARNING"):
         eager, _ = calibrate(pool, merged_model_path=str(tmp_path / "merged"))
-        out_of_core, _ = calibrate(pool, tmp_path / "a", out_of_core=True, merged_model_path=str(tmp_path / "merged"))
+        out_of_core, _ = calibrate(pool, tmp_path / "a", models_in_memory="none", merged_model_path=str(tmp_path / "merged"))
     assert_equal(state(expected), state(eager))
     assert_equal(state(expected), state(out_of_core))
     assert "rope_parameters={'rope_theta': 100000.0, 'rope_type': 'default'} (unknown to the base)" in caplog.text
@@ -117,7 +117,7 @@ def test_without_a_task_pool_nothing_is_loaded_and_the_default_folder_is_under_t
     mapped = []
     monkeypatch.setattr(algorithm, "map_large_allocations", lambda: mapped.append(map_large_allocations()))
     pool = llama_pool(tmp_path)
-    method = FeatCalAlgorithm(**ARGS, upstream=TA_BACKBONE, out_of_core=True)
+    method = FeatCalAlgorithm(**ARGS, upstream=TA_BACKBONE, models_in_memory="none")
     method._program = types.SimpleNamespace(merged_model_save_path=None, log_dir=str(tmp_path / "log"), _taskpool=None)
     assert method.run(pool) is None
     assert mapped == [True]
@@ -129,7 +129,7 @@ def test_the_output_is_loaded_with_the_pools_device_map_and_the_save_path_may_na
 
     pool = llama_pool(tmp_path, dtype="bfloat16")
     pool.model_kwargs["device_map"] = "cpu"  # a model larger than one device: from_pretrained places it
-    loaded, _ = calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, out_of_core=True)
+    loaded, _ = calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, models_in_memory="none")
     assert loaded.hf_device_map == {"": torch.device("cpu")} and loaded.dtype == torch.bfloat16
     assert output_path("{log_dir}/merged", "/logs/run") == "/logs/run/merged"
     assert output_path(None, "/logs/run") == "/logs/run/featcal_model"
@@ -137,31 +137,45 @@ def test_the_output_is_loaded_with_the_pools_device_map_and_the_save_path_may_na
         output_path(None, None)
 
 
-def test_an_interrupted_run_leaves_the_previous_output_and_nothing_else(tmp_path, monkeypatch):
-    """Ctrl-C at the second block: the output of an earlier run is kept as it was, and no partial folder stays."""
-    import featcal_fusionbench.integration.algorithm as algorithm
+def _stop_at_block(monkeypatch, stop_index, error=KeyboardInterrupt):
+    """Stop the run when block ``stop_index`` is handed to the calibrated model's sink (the blocks before it are
+    written)."""
+    from featcal_fusionbench.models.sinks import CheckpointSink
+
+    block = CheckpointSink.block
+
+    def stopping(self, index, *args, **kwargs):
+        if index == stop_index and self.writer is not None and self.writer.label == "the calibrated model":
+            raise error
+        return block(self, index, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointSink, "block", stopping)
+
+
+def test_an_interrupted_run_keeps_the_previous_output_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """Ctrl-C at the second block: the output of an earlier run is kept as it was, the first block stays in a
+    hidden partial folder that no loader takes for a model; another configuration is refused, naming it; the same
+    command resumes at the second block and ends bit for bit as a run never stopped."""
+    from featcal_fusionbench.models.checkpoint_writer import partial_folder, read_progress
 
     pool = llama_pool(tmp_path)
     out = tmp_path / "calibrated"
-    first, _ = calibrate(pool, out, upstream=TA_BACKBONE, out_of_core=True)
+    first, _ = calibrate(pool, out, upstream=TA_BACKBONE, models_in_memory="none")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    sink = algorithm.block_sink
-
-    def interrupted(model, writer):
-        write = sink(model, writer)
-
-        def at(index, block):
-            if index == 1:
-                raise KeyboardInterrupt
-            write(index, block)
-
-        return at
-
-    monkeypatch.setattr(algorithm, "block_sink", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        calibrate(pool, out, upstream=TA_BACKBONE, out_of_core=True, lambda_=1.0)
+    uninterrupted, _ = calibrate(pool, tmp_path / "reference", upstream=TA_BACKBONE, models_in_memory="none", lambda_=1.0)
+    with monkeypatch.context() as patch:
+        _stop_at_block(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(pool, out, upstream=TA_BACKBONE, models_in_memory="none", lambda_=1.0)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    partial = partial_folder(out)
+    assert sorted(read_progress(partial)["blocks"]) == ["0"]
+    assert not (partial / "model.safetensors.index.json").exists()
+    with pytest.raises(ValueError, match=r"whose configuration differ\(s\) .* remove .*\.calibrated\.partial"):
+        calibrate(pool, out, upstream=TA_BACKBONE, models_in_memory="none", lambda_=0.5)
+    resumed, _ = calibrate(pool, out, upstream=TA_BACKBONE, models_in_memory="none", lambda_=1.0)
+    assert_equal(state(uninterrupted), state(resumed))
+    assert not partial.exists()
 
 
 def test_a_disk_that_fills_fails_naming_it_and_removes_the_partial_output(tmp_path, monkeypatch):
@@ -179,7 +193,7 @@ def test_a_disk_that_fills_fails_naming_it_and_removes_the_partial_output(tmp_pa
     save_file = safetensors.torch.save_file
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     with pytest.raises(OSError, match=r"the disk filled while the calibrated model was written to .*calibrated"):
-        calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, out_of_core=True)
+        calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, models_in_memory="none")
     assert not (tmp_path / "calibrated").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -193,7 +207,7 @@ def test_too_little_free_disk_fails_before_calibration(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
     monkeypatch.setattr(loop.FeatCalEngine, "run", lambda *a, **k: pytest.fail("calibration started"))
     with pytest.raises(OSError, match=r"the calibrated model needs 0\.00 GiB and .* has 0\.00 GiB free"):
-        calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, out_of_core=True)
+        calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, models_in_memory="none")
     assert not (tmp_path / "calibrated").exists()
 
 
@@ -201,8 +215,7 @@ def test_too_little_free_disk_fails_before_calibration(tmp_path, monkeypatch):
     ({"upstream": {"_target_": "fusion_bench.method.SimpleAverageAlgorithm"}},
      "the upstream fusion_bench.method.SimpleAverageAlgorithm would build it whole"),
     ({"upstream": {**TA_BACKBONE, "model_save_path": "somewhere"}}, "set upstream.model_save_path=null"),
-    ({"upstream": TA_BACKBONE, "return_upstream": True}, "return_upstream keeps the upstream model whole"),
-    ({"upstream": TA_BACKBONE, "auto_select": True}, "auto_select calibrates several candidate models"),
+    ({"upstream": TA_BACKBONE, "auto_select": {"criterion": "drift"}}, "out of core, use criterion objective"),
 ])
 def test_what_out_of_core_cannot_do_is_refused_before_any_model_is_read(options, message, tmp_path, monkeypatch):
     from featcal_fusionbench.integration import post_merging
@@ -211,7 +224,7 @@ def test_what_out_of_core_cannot_do_is_refused_before_any_model_is_read(options,
     monkeypatch.setattr(post_merging.PostMergingMixin, "load_base_and_experts",
                         lambda *a, **k: pytest.fail("a model was read"))
     with pytest.raises(ValueError, match=message):
-        calibrate(pool, tmp_path / "calibrated", out_of_core=True, **options)
+        calibrate(pool, tmp_path / "calibrated", models_in_memory="none", **options)
 
 
 @pytest.mark.parametrize("dtypes", [("bfloat16",) * 3, ("float32", "bfloat16", "float32")])
@@ -321,7 +334,7 @@ TIES_WHOLE = {"_target_": "fusion_bench.method.TiesMergingAlgorithm", "scaling_f
 def test_ties_merging_out_of_core_equals_fusion_benchs_eager_merge_and_calibration(upstream, tmp_path):
     pool = llama_pool(tmp_path)
     eager, _ = calibrate(pool, upstream=upstream)
-    loaded, _ = calibrate(pool, tmp_path / "calibrated", upstream=upstream, out_of_core=True)
+    loaded, _ = calibrate(pool, tmp_path / "calibrated", upstream=upstream, models_in_memory="none")
     assert_equal(state(eager), state(loaded))
 
 
@@ -329,4 +342,77 @@ def test_ties_merging_out_of_core_refuses_remove_keys(tmp_path):
     pool = llama_pool(tmp_path)
     with pytest.raises(ValueError, match="upstream.remove_keys .* is not supported"):
         calibrate(pool, tmp_path / "calibrated", upstream={**TIES_BACKBONE, "remove_keys": ["lm_head.weight"]},
-                  out_of_core=True)
+                  models_in_memory="none")
+
+
+def test_auto_select_runs_out_of_core_in_the_one_pass_bit_for_bit_as_in_memory(tmp_path):
+    """Criterion objective out of core: each block chosen on held-out moments, then solved on all examples and
+    written; no copy of the merged model and no second pass, and the same tensors as the whole-model run."""
+    pool = llama_pool(tmp_path)
+    auto = {"grid": {"lambda_": [1e-4, 1e-2, 1.0], "rho": [0.5, 2.0]}}
+    eager, _ = calibrate(pool, upstream=TA_BACKBONE, auto_select=auto)
+    loaded, _ = calibrate(pool, tmp_path / "a", upstream=TA_BACKBONE, models_in_memory="none", auto_select=auto)
+    assert_equal(state(eager), state(loaded))
+    fixed, _ = calibrate(pool, upstream=TA_BACKBONE)
+    assert not torch.equal(state(fixed)["model.layers.0.self_attn.q_proj.weight"],
+                           state(loaded)["model.layers.0.self_attn.q_proj.weight"]), "the choice changed nothing"
+
+
+def test_return_upstream_out_of_core_writes_both_and_the_program_scores_them_one_at_a_time(tmp_path):
+    """The upstream is written block by block as it is read, beside the calibrated model; FusionBench's program
+    evaluates the returned dict's models in turn, and the first is released before the second is loaded."""
+    from fusion_bench.programs.fabric_fusion_program import FabricModelFusionProgram
+
+    pool = llama_pool(tmp_path)
+    eager, _ = calibrate(pool, upstream=TA_BACKBONE, return_upstream=True)
+    result, _ = calibrate(pool, tmp_path / "cal", upstream=TA_BACKBONE, models_in_memory="none", return_upstream=True)
+    assert (tmp_path / "cal_upstream" / "model.safetensors.index.json").is_file()
+    scored = []
+
+    class TaskPool:
+        def evaluate(self, model):
+            alive = [name for name, earlier in scored if next(earlier.parameters()).device.type != "meta"]
+            scored.append((len(scored), model))
+            return {"alive_before": alive, "state": state(model)}
+
+    report = FabricModelFusionProgram.evaluate_merged_model(None, TaskPool(), result)
+    assert list(report) == ["upstream", "featcal", "featcal_calibration"]
+    assert report["featcal"]["alive_before"] == [], "the upstream was still in memory when FeatCal's was loaded"
+    for key in ("upstream", "featcal"):
+        assert_equal(state(eager[key]), report[key]["state"])
+    assert report["featcal_calibration"]["upstream"] == f"{eager['featcal_calibration']['upstream']} (out of core)"
+
+
+def test_the_former_flags_still_work_with_a_warning_and_a_contradiction_is_refused():
+    from featcal_fusionbench.integration.memory import resolve_setting
+
+    with pytest.warns(FutureWarning, match=r"method.out_of_core=True is deprecated: use method.models_in_memory=none"):
+        assert FeatCalAlgorithm(out_of_core=True).in_memory == "none"
+    with pytest.warns(FutureWarning, match=r"use method.models_in_memory=merged"):
+        assert resolve_setting("auto", True, None) == "merged"
+    assert FeatCalAlgorithm().in_memory == "auto"
+    with pytest.raises(ValueError, match=r"contradicts method.models_in_memory=all"), pytest.warns(FutureWarning):
+        FeatCalAlgorithm(out_of_core=True, models_in_memory="all")
+    with pytest.raises(ValueError, match=r"models_in_memory must be one of"):
+        FeatCalAlgorithm(models_in_memory="some")
+
+
+@pytest.mark.parametrize("times, expected", [(100, "all"), (6, "merged"), (2, "none")])
+def test_auto_chooses_from_the_checkpoints_sizes_against_available_memory(times, expected, tmp_path, monkeypatch,
+                                                                           caplog):
+    """Four models (base, two experts, the merge) whole need 4 x one checkpoint's size: all of them in half of the
+    available memory, else one in a quarter of it, else none."""
+    from featcal_fusionbench.integration import memory
+
+    pool = llama_pool(tmp_path)
+    size = memory.checkpoint_bytes(str(tmp_path / "base"))
+    assert size == sum(p.stat().st_size for p in (tmp_path / "base").glob("*.safetensors"))
+    monkeypatch.setattr(memory, "available_bytes", lambda: times * size)
+    method = FeatCalAlgorithm(**ARGS, upstream=TA_BACKBONE)
+    with caplog.at_level("INFO"):
+        method._choose_models_in_memory(pool, ["math", "coding"])
+    assert method.in_memory == expected
+    assert f"models_in_memory=auto: {expected} (4 models of" in caplog.text
+    method = FeatCalAlgorithm(**ARGS, upstream={"_target_": "fusion_bench.method.SimpleAverageAlgorithm"})
+    method._choose_models_in_memory(pool, ["math", "coding"])
+    assert method.in_memory == ("all" if expected == "all" else "merged"), "the average cannot be read block by block"

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from featcal_fusionbench import FeatCalAlgorithm
 from featcal_fusionbench.integration.algorithm import REPORT_NAME
-from featcal_fusionbench.autoselect.search import auto_calibrate
+from featcal_fusionbench.autoselect.search import auto_calibrate, split_datasets
 from featcal_fusionbench.engine.loop import FeatCalEngine
 from featcal_fusionbench.engine.step import LinearGroup
 from featcal_fusionbench.families import LayerNormSite, LinearSite, family_for
@@ -119,16 +119,20 @@ def test_too_few_examples_to_split_fail_before_the_upstream_runs(toy_world, tmp_
 # ---- the search on tiny models -----------------------------------------------------------------------------------
 
 
+def _datasets(world):
+    return {t: [x for batch in batches for x in batch] for t, batches in world[3].items()}
+
+
+def _batches_of(dataset):
+    rows = [dataset[i] for i in range(len(dataset))]
+    if isinstance(rows[0], Mapping):
+        return [{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]} for i in range(0, len(rows), 4)]
+    return [torch.stack(rows[i:i + 4]) for i in range(0, len(rows), 4)]
+
+
 def _search(world, criterion, seed=0, **extra):
     base, experts, merged, data = world
-    datasets = {t: [x for batch in batches for x in batch] for t, batches in data.items()}
-
-    def batches_of(dataset):
-        rows = [dataset[i] for i in range(len(dataset))]
-        if isinstance(rows[0], Mapping):
-            return [{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]} for i in range(0, len(rows), 4)]
-        return [torch.stack(rows[i:i + 4]) for i in range(0, len(rows), 4)]
-
+    datasets, batches_of = _datasets(world), _batches_of
     options = SelectionOptions.parse({"criterion": criterion, "seed": seed, "grid": SMALL_GRID, **extra})
 
     def make_engine(hp, family, search=False, **kwargs):
@@ -180,14 +184,23 @@ def test_the_objective_search_is_one_calibration_with_every_candidate_scored_in_
     assert auto["cost_multiple"] > 0 and auto["search_seconds"] > 0
 
 
-def test_a_one_point_grid_gives_exactly_the_calibration_with_those_values():
-    """The final calibration is an ordinary one on all examples: with nothing to choose, it is bit-identical."""
+@pytest.mark.parametrize("criterion", ["objective", "drift"])
+def test_a_one_point_grid_gives_exactly_the_calibration_with_those_values(criterion):
+    """Each block is solved on all examples: with nothing to choose, the one pass (objective) is bit for bit an
+    ordinary calibration on the fit examples followed by the held-out ones; drift's final calibration is one on
+    all examples in their order."""
     world = tiny_world(batches=4)
     base, experts, merged, data = world
-    grid = {"lambda_": [0.05], "rho": [2.0], "alpha": [0.3]}
-    chosen, _ = _search(world, "objective", grid=grid)
+    grid = {"lambda_": [0.05], "rho": [2.0], "alpha": [0.3], "last_block_patch_token_weight": [1.0]}
+    chosen, report = _search(world, criterion, grid=grid)
+    assert report["auto_select"]["calibrations"] == 1
     plain = copy.deepcopy(merged)
-    batches = {t: [torch.cat(b)[i:i + 4] for i in range(0, sum(len(x) for x in b), 4)] for t, b in data.items()}
+    datasets = _datasets(world)
+    if criterion == "objective":
+        fit, held, _ = split_datasets(datasets, SelectionOptions(seed=0), 0)
+        batches = {t: _batches_of(fit[t]) + _batches_of(held[t]) for t in datasets}
+    else:
+        batches = {t: _batches_of(d) for t, d in datasets.items()}
     FeatCalEngine(family_for(base), FeatCalHParams(), "cpu", progress=False).run(plain, base, experts, batches)
     for p, q in zip(chosen.parameters(), plain.parameters()):
         assert torch.equal(p, q)

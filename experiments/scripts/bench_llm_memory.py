@@ -69,6 +69,11 @@ ARCHS = {
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
 MODES = ("lazy", "eager", "out_of_core")
+# --auto-select's grids of lambda and rho (alpha stays the run's, as criterion objective keeps it by default)
+AUTO_SELECT_GRIDS = {
+    "small": {"lambda_": (1e-5, 1e-3), "rho": (0.5, 1.0), "alpha": (0.15,)},
+    "default": {"lambda_": tuple(10.0**k for k in range(-6, 2)), "rho": (0.5, 1.0, 1.5, 2.0, 2.5), "alpha": (0.15,)},
+}
 
 
 def llama_config(arch: str, dtype: str, layers: Optional[int] = None):
@@ -195,10 +200,9 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
     from featcal_fusionbench.families.causal_lm import CausalLMFamily
     from omegaconf import OmegaConf
 
-    from featcal_fusionbench.integration.out_of_core import (block_sink, lazy_merge_of, lazy_upstream,
-                                                             map_large_allocations, model_bytes, write_rest)
-    from featcal_fusionbench.models.checkpoint_writer import CheckpointWriter
+    from featcal_fusionbench.integration.out_of_core import lazy_merge_of, lazy_upstream, map_large_allocations
     from featcal_fusionbench.models.lazy import load_lazily
+    from featcal_fusionbench.models.sinks import CheckpointSink, model_bytes
 
     mapped = map_large_allocations() if args.map_large_allocations else False  # first, as the method does
     base = load_lazily(LlamaForCausalLM, paths["base"], dtype)
@@ -213,12 +217,22 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
     output = Path(args.workdir) / "calibrated-out_of_core"
     with RSSSampler() as rss:
         started = time.perf_counter()
-        with CheckpointWriter(output, model_bytes(merged)) as writer:
+        blocks = family.blocks(merged)
+        with CheckpointSink(output, merged, blocks, fingerprint={"bench": "out_of_core"},
+                            save_extra=lambda folder: merged.config.save_pretrained(folder)) as sink:
+            fit, held, policy = {t: iter(b) for t, b in batches.items()}, None, None
+            if args.auto_select:  # criterion objective in the one pass: the last quarter of each task's batches held out
+                from featcal_fusionbench.autoselect.options import all_candidates
+                from featcal_fusionbench.autoselect.policy import HeldoutSelection
+
+                cut = {t: len(b) - max(1, len(b) // 4) for t, b in batches.items()}
+                fit = {t: iter(b[:cut[t]]) for t, b in batches.items()}
+                held = {t: iter(b[cut[t]:]) for t, b in batches.items()}
+                policy = HeldoutSelection(all_candidates(AUTO_SELECT_GRIDS[args.auto_select]))
             engine = FeatCalEngine(family, hp, device, progress=False, profile=args.profile, streams=streams,
-                                   block_sink=block_sink(merged, writer))
-            report = engine.run(merged, base, experts, {t: iter(b) for t, b in batches.items()})
-            write_rest(merged, family.blocks(merged), writer)
-            writer.commit(lambda folder: merged.config.save_pretrained(folder))
+                                   sink=sink, policy=policy)
+            report = engine.run(merged, base, experts, fit, held)
+            sink.finish()
         sync(device)
         seconds = time.perf_counter() - started
     written = folder_bytes(output)
@@ -230,6 +244,8 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
         "map_large_allocations": mapped,
         "upstream": args.upstream,
         "upstream_passes_seconds": upstream_seconds,
+        "auto_select": args.auto_select,
+        "selection_seconds": sum(b.get("selection_seconds", 0.0) for b in report["blocks"]),
         "report": report,
     }
 
@@ -334,12 +350,18 @@ def main():
     parser.add_argument("--stream-spill", default="host", help="where streams beyond the budget go: host or disk")
     parser.add_argument("--stream-spill-dir", help="where disk spill makes its temporary folder")
     parser.add_argument("--profile", action="store_true", help="FeatCal's seconds per phase (embed, moments, solve, ...)")
+    parser.add_argument("--auto-select", choices=sorted(AUTO_SELECT_GRIDS),
+                        help="out_of_core only: choose lambda and rho per block on held-out moments (criterion "
+                             "objective) over this grid; 'default' is auto_select's own 8 x 5, 'small' 2 x 2 (the "
+                             "memory is one candidate's solution at a time: the grid sets the time, not the peak)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES) or not modes:
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
+    if args.auto_select and modes != ["out_of_core"]:
+        parser.error("--auto-select measures the out-of-core run alone: give --modes out_of_core")
     if min(args.tasks, args.n, args.seq_len, args.batch_size, 1 if args.layers is None else args.layers) < 1:
         parser.error("--tasks, --n, --seq-len, --batch-size and --layers must be >= 1")
     try:
@@ -375,6 +397,9 @@ def main():
               f"runtime's {result['rss_runtime_bytes'] / gib:.2f} GiB"
               f"  statistics {result['statistics_bytes'] / 2**20:.0f} MiB"
               + (f"  peak device {result['peak_device_bytes'] / gib:.2f} GiB" if result["peak_device_bytes"] else ""))
+        if result.get("auto_select"):
+            print(f"       auto_select ({result['auto_select']} grid): {result['selection_seconds']:.1f} s of the "
+                  f"{result['seconds']:.1f} s spent choosing")
         if result["phase_seconds"]:
             print("       " + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(result["phase_seconds"].items(), key=lambda kv: -kv[1])))
         streams = result["streams"]

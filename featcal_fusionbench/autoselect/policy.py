@@ -2,8 +2,9 @@
 
 At each block the fit moments of every task are folded once per distinct alpha (only the targets depend on it) and
 the held-out moments into the block's objective (``core.objective.HeldoutObjective``); every candidate
-(lambda, rho, alpha) is then a closed-form solve on the fit sums, scored on the held-out sums, and the best is
-loaded, so the next block chooses on the chosen prefix (greedy, per block).
+(lambda, rho, alpha) is then a closed-form solve on the fit sums, scored on the held-out sums. The loop solves the
+block with the best on all of each task's batches (fit and held-out) and loads it, so the next block chooses on
+the chosen prefix (greedy, per block), in the one pass that calibrates.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ..core.block_sums import BlockSums
 from ..core.hparams import FeatCalHParams
 from ..core.moments import NonFiniteError
 from ..core.objective import HeldoutObjective
-from ..engine.step import BlockSolution, BlockStep, TaskMoments
+from ..engine.step import BlockStep, TaskMoments
 from .options import Candidate, best_of, candidate_key, with_candidate
 
 
@@ -37,7 +38,8 @@ class HeldoutSelection:
 
 
 class HeldoutChoice:
-    """One block's choice; its ``report`` records every candidate's score and the chosen one."""
+    """One block's choice (an ``engine.policy.BlockSelection``); its ``report`` records every candidate's score and
+    the chosen one."""
 
     def __init__(self, policy: HeldoutSelection, hparams: FeatCalHParams):
         self.policy = policy
@@ -46,15 +48,18 @@ class HeldoutChoice:
         self.heldout = HeldoutObjective()
         self.report: Dict[str, Any] = {}
 
-    def add_task(self, step: BlockStep, fit: TaskMoments, heldout: Optional[TaskMoments], expert_sites) -> None:
-        for alpha in self.policy.alphas:
-            step.fold(fit, expert_sites, self.fit_sums[alpha], with_candidate(self.hparams, {"alpha": alpha}))
-        step.fold(heldout, expert_sites, self.heldout, self.hparams)
+    def add(self, part: str, step: BlockStep, moments: TaskMoments, expert_sites) -> None:
+        if part == "fit":
+            for alpha in self.policy.alphas:
+                step.fold(moments, expert_sites, self.fit_sums[alpha], with_candidate(self.hparams, {"alpha": alpha}))
+        elif part == "heldout":
+            step.fold(moments, expert_sites, self.heldout, self.hparams)
+        else:
+            raise ValueError(f"a task's part is 'fit' or 'heldout', not {part!r}")
 
-    def solve(self, step: BlockStep) -> BlockSolution:
+    def choose(self, step: BlockStep) -> FeatCalHParams:
         current = {n: {"weight": s.weight, "bias": s.bias} for n, s in step.plan.sites.items()}
         scores: Dict[str, float] = {}
-        best = None  # (score, key, solution): only the best candidate's parameters are kept
         for candidate in self.policy.candidates:
             key = candidate_key(candidate)
             try:
@@ -64,10 +69,9 @@ class HeldoutChoice:
                 continue
             self.policy.solves += 1
             scores[key] = self.heldout.score(solution.by_site(), current)
-            if best is None or scores[key] < best[0]:  # strict: ties keep the earlier candidate
-                best = (scores[key], key, solution)
-        chosen = best_of(scores, higher_is_better=False)
-        assert best is not None and chosen == best[1]
+            del solution  # one candidate's parameters at a time
+        chosen = best_of(scores, higher_is_better=False)  # ties keep the earlier candidate
         self.fit_sums = self.heldout = None
         self.report = {"selection": {"chosen": chosen, "scores": scores}}
-        return best[2]
+        by_key = {candidate_key(c): c for c in self.policy.candidates}
+        return with_candidate(self.hparams, by_key[chosen])

@@ -3,15 +3,16 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
 
 Every task's calibration examples are split into a fit part and a held-out part (inputs only; no label is read).
 
-- criterion ``objective``: ONE calibration pass over fit + held-out streams. At each block, the fit moments are
-  accumulated once and folded once per distinct alpha; every candidate (lambda, rho, alpha) is a closed-form solve
-  on them, scored on the block's held-out moments (``policy.HeldoutSelection``); the best is loaded and the
-  streams advance through it, so the next block chooses on the chosen prefix (greedy, per block).
+- criterion ``objective``: the calibration itself, in one pass over the model (in memory or out of core alike). At
+  each block, the fit moments are accumulated once and folded once per distinct alpha; every candidate
+  (lambda, rho, alpha) is a closed-form solve on them, scored on the block's held-out moments
+  (``policy.HeldoutSelection``); the block is then solved with the best on ALL of each task's calibration examples,
+  loaded (or written), and every stream advances through it, so the next block chooses on the chosen prefix
+  (greedy, per block). ``search_seconds`` is the time spent choosing (the part collections and candidate solves).
 - criteria ``drift`` / ``agreement``: one calibration of a copy of the merged model on the fit part per candidate
   (coordinate or full grid), scored on the held-out part's last-block outputs against the experts'. The experts'
-  held-out outputs do not depend on the hyperparameters and are computed once.
-
-Then the final calibration runs on ALL calibration examples with the chosen values (per block for ``objective``).
+  held-out outputs do not depend on the hyperparameters and are computed once. Then the final calibration runs on
+  ALL calibration examples with the chosen values. They hold the merged model whole (a copy per candidate).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from ..core.meters import AgreementMeter, DriftMeter
 from ..core.moments import NonFiniteError
 from ..core.sampling import heldout_split, subset
 from ..engine.loop import FeatCalEngine
-from ..engine.policy import FixedHParams
 from ..families import ModelFamily
 from ..models.residency import on_device
 from .policy import HeldoutSelection
@@ -62,20 +62,24 @@ def split_datasets(datasets: Mapping[str, Any], options: SelectionOptions, seed:
     return fit, held, sizes
 
 
-# ---- criterion "objective": per-block choice inside one calibration -------------------------------------------
+# ---- criterion "objective": per-block choice inside the one calibration -----------------------------------------
 
 
-def select_per_block(make_engine: EngineFactory, family, hp, grid, merged, base, experts, fit_batches, held_batches):
-    """The per-block schedule chosen on a copy of ``merged``, and the search's report."""
+def calibrate_per_block(make_engine: EngineFactory, family, hp, grid, merged, base, experts, fit_batches,
+                        held_batches):
+    """Calibrate ``merged`` in place, each block's values chosen on held-out moments and the block then solved with
+    them on all batches (``policy.HeldoutSelection``); the engine's report and the search's."""
     candidates = all_candidates({k: v for k, v in grid.items() if k != PATCH_WEIGHT})
     selection = HeldoutSelection(candidates)
-    report = make_engine(hp, family, search=True, policy=selection).run(copy.deepcopy(merged), base, experts, fit_batches, held_batches)
-    chosen = {entry["block"]: entry["selection"]["chosen"] for entry in report["blocks"] if "selection" in entry}
-    by_key = {candidate_key(c): c for c in candidates}
-    schedule = [with_candidate(hp, by_key[chosen[b]]) if b in chosen else hp for b in range(report["num_blocks"])]
+    report = make_engine(hp, family, policy=selection).run(merged, base, experts, fit_batches, held_batches)
+    fixed = candidate_key({k: getattr(hp, k) for k in ("lambda_", "rho", "alpha")})
+    per_block = [e["selection"]["chosen"] if "selection" in e else fixed for e in report["blocks"]]
     blocks = [{"block": e["block"], **e["selection"]} for e in report["blocks"] if "selection" in e]
-    return schedule, {"candidates": [candidate_key(c) for c in candidates], "blocks": blocks, "solves": selection.solves,
-                      "calibrations": 1}
+    search_seconds = sum(e.get("selection_seconds", 0.0) for e in report["blocks"])
+    search = {"candidates": [candidate_key(c) for c in candidates], "blocks": blocks, "solves": selection.solves,
+              "calibrations": 1, "search_seconds": search_seconds,
+              "final_seconds": report["seconds"] - search_seconds}
+    return report, {"per_block": per_block}, search
 
 
 # ---- criteria "drift" / "agreement": a calibration per candidate ----------------------------------------------
@@ -173,35 +177,32 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
 
 def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOptions, hp: FeatCalHParams,
                    merged, base, experts, datasets: Mapping[str, Any], batches_of: Callable[[Any], Any], device):
-    """Choose, then calibrate ``merged`` in place on all of ``datasets`` with the choice; return the engine's report
+    """Choose, and calibrate ``merged`` in place on all of ``datasets`` with the choice; return the engine's report
     with an ``auto_select`` entry (grid, scores, choice, split sizes, seconds and the search's cost multiple)."""
     family = family_with({})
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
     fit, held, sizes = split_datasets(datasets, options, seed)
-    started = time.perf_counter()
     if options.criterion == "objective":
-        schedule, search = select_per_block(
+        report, choice, search = calibrate_per_block(
             make_engine, family, hp, grid, merged, base, experts,
             {t: batches_of(d) for t, d in fit.items()}, {t: batches_of(d) for t, d in held.items()},
         )
-        chosen_family, final_hp = family, hp
-        choice = {"per_block": [candidate_key({k: getattr(h, k) for k in ("lambda_", "rho", "alpha")}) for h in schedule]}
     else:
+        started = time.perf_counter()
         best, search = select_by_runs(
             make_engine, family_with, options, hp, grid, merged, base, experts,
             lambda: {t: batches_of(d) for t, d in fit.items()}, lambda t: batches_of(held[t]), device,
         )
-        schedule, final_hp = None, with_candidate(hp, best)
+        search_seconds = time.perf_counter() - started
         chosen_family = family_with({PATCH_WEIGHT: best[PATCH_WEIGHT]} if PATCH_WEIGHT in best else {})
         choice = {"global": dict(best)}
-    search_seconds = time.perf_counter() - started
-    final_started = time.perf_counter()
-    policy = None if schedule is None else FixedHParams(schedule)
-    report = make_engine(final_hp, chosen_family, policy=policy).run(
-        merged, base, experts, {t: batches_of(d) for t, d in datasets.items()}
-    )
-    final_seconds = time.perf_counter() - final_started
+        final_started = time.perf_counter()
+        report = make_engine(with_candidate(hp, best), chosen_family).run(
+            merged, base, experts, {t: batches_of(d) for t, d in datasets.items()}
+        )
+        search.update(search_seconds=search_seconds, final_seconds=time.perf_counter() - final_started)
+    search_seconds, final_seconds = search["search_seconds"], search["final_seconds"]
     report["auto_select"] = {
         "criterion": options.criterion,
         "search": options.search if options.criterion != "objective" else "per_block",
@@ -211,12 +212,10 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
         "split": sizes,
         "choice": choice,
         **search,
-        "search_seconds": search_seconds,
-        "final_seconds": final_seconds,
         "cost_multiple": search_seconds / final_seconds if final_seconds > 0 else math.nan,
     }
     log.info(
-        "FeatCal auto_select (%s): chose %s in %.2fs = %.2f x the final calibration (%d calibration(s))",
+        "FeatCal auto_select (%s): chose %s in %.2fs = %.2f x the calibration without choice (%d calibration(s))",
         options.criterion, choice, search_seconds, report["auto_select"]["cost_multiple"], search["calibrations"],
     )
     return report

@@ -6,12 +6,14 @@ For each block, in forward order:
      calibrated module's input and the task's moments stream in (one set per shared input, e.g. q/k/v);
   2. choose and solve: the block's hyperparameter choice (``policy``) folds each task's moments into its sums as
      soon as the task is done (memory does not grow with the number of tasks), then solves weights (Eq. 17),
-     biases (Eq. 55) and norm affines (Eq. 59);
+     biases (Eq. 55) and norm affines (Eq. 59). A policy that chooses on held-out moments (``auto_select``) first
+     collects each task's fit and held-out batches apart, chooses, and the block is then collected and solved with
+     the choice on all of them: one pass over the model, whatever the policy;
   3. write: the block's new parameters are loaded together, and only then do the calibrated hidden states advance
      through the calibrated block.
 Experts and the base model stay where they are (host memory); only the block in use visits the device. A lazy
 calibrated model (out of core, ``models.lazy``) is read block by block too: each block is read onto the device
-for its turn and handed to ``block_sink`` (which writes it out) before it is released. Every
+for its turn and handed to the ``sink`` (``models.sinks``: which writes it out) before it is released. Every
 task's hidden-state streams live in a ``StreamStore`` (``streams``): on the device within a byte budget, spilled to
 host or disk beyond it. Everything model-specific comes from the model family (``families``): the walk, the
 calibrated sites and their parameters, token weights.
@@ -24,7 +26,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
@@ -37,14 +39,22 @@ from ..families import ModelFamily
 from ..models.lazy import is_lazy
 from ..models.residency import on_device
 from .plan import block_reserve_bytes, plan_blocks
-from .policy import FixedHParams, HParamPolicy
+from .policy import PER_BLOCK, FixedChoice, FixedHParams, HParamPolicy
 from .step import BlockStep, TaskStreams
 from .streams import Stream, StreamOptions, StreamStore
 
 log = logging.getLogger(__name__)
 
 LogFn = Callable[[Dict[str, float], int], None]
-BlockSink = Callable[[int, nn.Module], None]
+
+
+class BlockSink(Protocol):
+    """Where finished blocks go (``models.sinks``)."""
+
+    def done(self, index: int) -> Optional[Dict[str, Any]]:
+        """Block ``index`` as a stopped run wrote it (``state``: its tensors, ``entry``: its report), else None."""
+
+    def block(self, index: int, block: nn.Module, entry: Optional[Mapping[str, Any]] = None) -> None: ...
 
 
 class PhaseTimer:
@@ -87,12 +97,15 @@ class FeatCalEngine:
         profile: bool = False,
         streams: Optional[StreamOptions] = None,
         policy: Optional[HParamPolicy] = None,
-        block_sink: Optional[BlockSink] = None,
+        sink: Optional[BlockSink] = None,
+        upstream_sink: Optional[BlockSink] = None,
     ):
         """``policy``: each block's lambda / rho / alpha (``engine.policy``); by default ``hparams``' own values in
         every block. A policy that ``needs_heldout`` is given each task's held-out batches (``run``).
-        ``block_sink(index, block)``: called with each block once it is calibrated and every stream has left it,
-        while its weights are still on the device."""
+        ``sink`` (``models.sinks``): each block is handed to ``sink.block(index, block, entry)`` once it is
+        calibrated and every stream has left it, while its weights are still on the device; a block that
+        ``sink.done(index)`` gives (a resumed run's) is not calibrated again: its written values are loaded and the
+        streams advance through it. ``upstream_sink``: each block as it was read, before it is calibrated."""
         self.family = family
         self.hparams = hparams
         self.policy = policy or FixedHParams()
@@ -104,7 +117,8 @@ class FeatCalEngine:
         self.timer = PhaseTimer(profile, self.device)
         self.stream_options = streams or StreamOptions()
         self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
-        self.block_sink = block_sink
+        self.sink = sink
+        self.upstream_sink = upstream_sink
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -156,8 +170,9 @@ class FeatCalEngine:
         heldout_batches: Optional[Mapping[str, Iterable[Any]]] = None,
     ) -> Dict[str, Any]:
         """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches`` (with a
-        policy that ``needs_heldout`` only): each task's held-out examples, streamed beside the fit ones, never
-        fitted."""
+        policy that ``needs_heldout`` only): each task's held-out examples, streamed after its ``task_batches``;
+        each block's values are chosen on the fit part against the held-out part, then the block is solved with them
+        on both."""
         family, hp = self.family, self.hparams
         tasks = list(experts)
         missing = [t for t in tasks if t not in task_batches]
@@ -182,22 +197,33 @@ class FeatCalEngine:
         # Leaving the store drops every stream and removes its spill folder, also when calibration raises.
         with StreamStore(self.device, budget, options.spill, options.spill_dir, timer=self.timer) as store:
             streams: Dict[str, TaskStreams] = {}
+            # With held-out batches, a task's one stream holds its fit batches, then its held-out ones: the choice
+            # reads the two ranges apart, the block is then solved on all of them and every batch advances.
+            self.fit_batches: Dict[str, int] = {}
             for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
-                streams[task] = self._embed(model, experts[task], task_batches[task], store)
-            heldout: Dict[str, TaskStreams] = {}
-            for task in tasks if heldout_batches is not None else ():
-                heldout[task] = self._embed(model, experts[task], heldout_batches[task], store, upstream=False)
+                batches = list(task_batches[task])
+                self.fit_batches[task] = len(batches)
+                if heldout_batches is not None:
+                    batches += list(heldout_batches[task])
+                    if not 0 < self.fit_batches[task] < len(batches):
+                        raise ValueError(f"task {task!r} needs fit and held-out batches, got "
+                                         f"{self.fit_batches[task]} and {len(batches) - self.fit_batches[task]}")
+                streams[task] = self._embed(model, experts[task], batches, store)
 
             report_blocks = []
             bar = tqdm(range(num_blocks), desc="FeatCal: calibrating blocks", disable=not self.progress)
             for index in bar:
                 with on_device([blocks[index]], self.device):  # a lazy model's block is read for its turn
-                    entry = self._calibrate_block(
-                        plans[index], model, blocks[index], base_blocks[index], experts,
-                        {t: expert_blocks[t][index] for t in tasks}, streams, num_blocks, heldout,
-                    )
-                    if self.block_sink is not None:
-                        self.block_sink(index, blocks[index])
+                    if self.upstream_sink is not None:
+                        self.upstream_sink.block(index, blocks[index])
+                    args = (plans[index], model, blocks[index], {t: expert_blocks[t][index] for t in tasks}, streams)
+                    written = None if self.sink is None else self.sink.done(index)
+                    if written is None:
+                        entry = self._calibrate_block(*args, base_blocks[index], experts, num_blocks)
+                    else:
+                        entry = self._replay_block(*args, experts, written)
+                    if self.sink is not None:
+                        self.sink.block(index, blocks[index], entry)
                 report_blocks.append(entry)
                 self._log_block(entry)
                 drift = entry["drift"]
@@ -217,31 +243,57 @@ class FeatCalEngine:
             "blocks": report_blocks,
         }
 
-    def _calibrate_block(self, plan, model, block, base_block, experts, expert_blocks, streams, num_blocks, heldout):
-        """Collect, solve and load one block, then advance the streams past it; return the block's report entry."""
-        family = self.family
-        index = plan.index
-        block_started = time.perf_counter()
-        for task, task_streams in itertools.chain(streams.items(), heldout.items()):
+    def _enter(self, model, index, experts, streams) -> None:
+        for task, task_streams in streams.items():
             self._enter_block(model, index, task_streams.calibrated)
             self._enter_block(experts[task], index, task_streams.expert)
             if task_streams.upstream is not None:
                 self._enter_block(model, index, task_streams.upstream)
 
-        choice = self.policy.for_block(index, self.hparams)
+    def _replay_block(self, plan, model, block, expert_blocks, streams, experts, written) -> Dict[str, Any]:
+        """A block a stopped run wrote: every stream advances as the run advanced it (the experts' and the
+        upstream's through the blocks as read, the calibrated ones through the written values), bit for bit."""
+        self._enter(model, plan.index, experts, streams)
+        for task, task_streams in streams.items():
+            with on_device([expert_blocks[task]], self.device):
+                self._advance(expert_blocks[task], task_streams.expert)
+            if task_streams.upstream is not None:
+                self._advance(block, task_streams.upstream)
+        state = block.state_dict()
+        with torch.no_grad():
+            for key, value in written["state"].items():
+                state[key].copy_(value)
+        for task_streams in streams.values():
+            self._advance(block, task_streams.calibrated)
+        return {**written["entry"], "resumed": True}
+
+    def _calibrate_block(self, plan, model, block, expert_blocks, streams, base_block, experts, num_blocks):
+        """Collect, choose, solve and load one block, then advance the streams past it; return the block's report
+        entry."""
+        family = self.family
+        index = plan.index
+        block_started = time.perf_counter()
+        self._enter(model, index, experts, streams)
+
         before_meters: Dict[str, DriftMeter] = {}
         methods: Dict[str, int] = {}
+        selection_seconds = None
         if plan.modules:
             step = BlockStep(family, plan, block, base_block, num_blocks, self.device,
                              self.hparams.torch_accumulation_dtype, self.timer, self.reduce)
+            if self.policy.needs_heldout:
+                selection_started = time.perf_counter()
+                choice = self._choose(step, base_block, expert_blocks, streams)
+                selection_seconds = time.perf_counter() - selection_started
+            else:
+                choice = self.policy.for_block(index, self.hparams)
             for task, expert_block in expert_blocks.items():
                 with on_device([expert_block], self.device):
                     fit = step.collect(task, expert_block, streams[task])
-                    held = step.collect(task, expert_block, heldout[task]) if task in heldout else None
                     before_meters[task] = fit.drift_before
                     with self.timer("moments"):
-                        choice.add_task(step, fit, held, family.sites(expert_block))
-                    del fit, held  # before the next task's moments exist
+                        choice.add_task(step, fit, family.sites(expert_block))
+                    del fit  # before the next task's moments exist
             with self.timer("solve"), on_device([base_block], self.device):
                 solution = choice.solve(step)
             step.write(solution)
@@ -249,14 +301,13 @@ class FeatCalEngine:
             self.statistics_bytes = max(self.statistics_bytes, step.peak_bytes)
             del step, solution
         else:
+            choice = FixedChoice(self.hparams)
             # Nothing to fit here, but the expert and upstream trajectories still advance.
-            for task, task_streams in itertools.chain(streams.items(), heldout.items()):
+            for task, task_streams in streams.items():
                 with on_device([expert_blocks[task]], self.device):
                     self._advance(expert_blocks[task], task_streams.expert)
                 if task_streams.upstream is not None:
                     self._advance(block, task_streams.upstream)
-        for task_streams in heldout.values():  # the held-out calibrated streams enter the next block calibrated too
-            self._advance(block, task_streams.calibrated)
 
         drift = {}
         for task, task_streams in streams.items():
@@ -286,7 +337,27 @@ class FeatCalEngine:
             "seconds": time.perf_counter() - block_started,
             "drift": drift,
             **choice.report,
+            **({} if selection_seconds is None else {"selection_seconds": selection_seconds}),
         }
+
+    def _choose(self, step: BlockStep, base_block, expert_blocks, streams) -> FixedChoice:
+        """The block's values chosen on held-out moments (``policy.needs_heldout``): each task's fit batches and
+        held-out batches are collected apart, the expert streams left at the block's input; the returned choice
+        solves the block with those values on all of the task's batches."""
+        selection = self.policy.for_block(step.plan.index, self.hparams)
+        for task, expert_block in expert_blocks.items():
+            stream, fit_batches = streams[task], self.fit_batches[task]
+            with on_device([expert_block], self.device):
+                sites = self.family.sites(expert_block)
+                for part, batches in (("fit", range(fit_batches)),
+                                      ("heldout", range(fit_batches, len(stream.calibrated)))):
+                    moments = step.collect(task, expert_block, stream, batches, advance=False)
+                    with self.timer("moments"):
+                        selection.add(part, step, moments, sites)
+                    del moments  # one task part's moments at a time
+        with self.timer("selection"), on_device([base_block], self.device):
+            chosen = selection.choose(step)
+        return FixedChoice(chosen, {"hparams": {k: getattr(chosen, k) for k in PER_BLOCK}, **selection.report})
 
     def _log_block(self, entry: Dict[str, Any]) -> None:
         index = entry["block"]

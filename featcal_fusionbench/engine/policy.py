@@ -2,13 +2,14 @@
 
 For each block the loop asks its policy for a ``BlockChoice``, hands it every task's moments as they are collected
 (``add_task``), then asks it for the block's solution (``solve``). ``FixedHParams`` solves with the method's values,
-or with one set per block (a schedule); the label-free per-block selector (``autoselect.policy``) folds the same
-moments under several candidates and keeps the one that scores best on held-out moments.
+or with one set per block (a schedule); the label-free per-block selector (``autoselect.policy``) is a
+``BlockSelection`` instead: it folds each task's fit moments under several candidates, scores each candidate's
+solve on the held-out moments and names the best, which the block is then solved with on all batches.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Protocol, Sequence
+from typing import Any, Dict, Optional, Protocol, Sequence, Union
 
 from ..core.block_sums import BlockSums
 from ..core.hparams import FeatCalHParams
@@ -23,21 +24,34 @@ class BlockChoice(Protocol):
 
     report: Dict[str, Any]
 
-    def add_task(self, step: BlockStep, fit: TaskMoments, heldout: Optional[TaskMoments], expert_sites) -> None:
-        """Take one task's moments (and its held-out moments, for a policy that ``needs_heldout``)."""
+    def add_task(self, step: BlockStep, moments: TaskMoments, expert_sites) -> None:
+        """Take one task's moments."""
 
     def solve(self, step: BlockStep) -> BlockSolution:
         """The block's parameters to load, once every task was added (the base block is on the device)."""
 
 
+class BlockSelection(Protocol):
+    """One block's choice on held-out moments: each task's fit and held-out moments are added apart, then
+    ``choose`` gives the values the block is solved with on all of the task's batches."""
+
+    report: Dict[str, Any]
+
+    def add(self, part: str, step: BlockStep, moments: TaskMoments, expert_sites) -> None:
+        """Take one task's ``part`` ("fit" or "heldout") moments."""
+
+    def choose(self, step: BlockStep) -> FeatCalHParams:
+        """The chosen values, once every task's parts were added (the base block is on the device)."""
+
+
 class HParamPolicy(Protocol):
-    #: whether each task's held-out streams must be collected beside its fit ones
+    #: whether each block is chosen on held-out batches: ``for_block`` then gives a ``BlockSelection``
     needs_heldout: bool
 
     def check(self, num_blocks: int) -> None:
         """Raise before any work when the policy cannot serve a model of ``num_blocks`` blocks."""
 
-    def for_block(self, index: int, hparams: FeatCalHParams) -> BlockChoice: ...
+    def for_block(self, index: int, hparams: FeatCalHParams) -> Union[BlockChoice, BlockSelection]: ...
 
 
 class FixedHParams:
@@ -68,8 +82,8 @@ class FixedChoice:
         self.report = report or {}
         self.sums: Optional[BlockSums] = BlockSums()
 
-    def add_task(self, step: BlockStep, fit: TaskMoments, heldout: Optional[TaskMoments], expert_sites) -> None:
-        step.fold(fit, expert_sites, self.sums, self.hp)
+    def add_task(self, step: BlockStep, moments: TaskMoments, expert_sites) -> None:
+        step.fold(moments, expert_sites, self.sums, self.hp)
 
     def solve(self, step: BlockStep) -> BlockSolution:
         sums, self.sums = self.sums, None

@@ -103,10 +103,12 @@ class BlockStep:
 
     # ---- collect ------------------------------------------------------------------------------
 
-    def collect(self, task: str, expert_block: nn.Module, streams: TaskStreams) -> TaskMoments:
-        """Stream the task's batches through the still-uncalibrated block and the expert's block (which the caller
-        has put on the device), advancing the expert (and upstream) streams past this block; return the task's
-        moments."""
+    def collect(self, task: str, expert_block: nn.Module, streams: TaskStreams, batches: Optional[range] = None,
+                advance: bool = True) -> TaskMoments:
+        """Stream the task's batches (``batches``: those indices only) through the still-uncalibrated block and the
+        expert's block (which the caller has put on the device) and return the task's moments. With ``advance``
+        the expert (and upstream) streams are moved past this block; without, they stay at its input, for a
+        later collection on the same batches (auto_select chooses on part of them, then solves on all)."""
         family, plan = self.family, self.plan
         linear = plan.names(LINEAR)
         norms = plan.names(*NORM_KINDS)
@@ -115,7 +117,7 @@ class BlockStep:
         norm_moments: Dict[str, NormInputMoments] = {}
         before = DriftMeter()
         cal, exp, upstream = streams.calibrated, streams.expert, streams.upstream
-        for b in range(len(cal)):
+        for b in range(len(cal)) if batches is None else batches:
             hidden, meta = cal.get(b)
             with self.timer("snapshot forward"), capture_inputs({n: plan.sites[n] for n in linear + norms}) as cap_cal:
                 uncalibrated = family.run_block(self.block, hidden, meta)
@@ -123,10 +125,11 @@ class BlockStep:
             exp_out: Dict[str, Tensor] = {}
             with self.timer("expert forward"), capture_inputs({n: exp_sites[n] for n in linear}, exp_out) as cap_exp:
                 exp_hidden = family.run_block(expert_block, exp_hidden, exp_meta)
-            exp.put(b, exp_hidden)
+            if advance:
+                exp.put(b, exp_hidden)
             with self.timer("drift"):
                 before.update(uncalibrated, exp_hidden, family.valid_token_mask(meta, uncalibrated))
-            if upstream is not None:
+            if upstream is not None and advance:
                 # The block still holds its merged weights: this advances the upstream trajectory.
                 up_hidden, up_meta = upstream.get(b)
                 with self.timer("upstream forward"):

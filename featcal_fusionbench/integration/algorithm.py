@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Mapping, Optional, Union
 
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
@@ -18,12 +19,15 @@ from ..engine.loop import FeatCalEngine
 from ..engine.plan import plan_blocks
 from ..engine.streams import StreamOptions
 from ..families import checked_options, family_for
-from ..models.checkpoint_writer import CheckpointWriter
 from ..models.checks import check_same_architecture
+from ..models.sinks import CheckpointSink, MemorySink
 from .data import calibration_source, select_calibration_data, shard
 from .hub_access import check_path_option
-from .out_of_core import (block_sink, check_out_of_core, load_lazy_merged, map_large_allocations, model_bytes,
-                          output_path, save_config_and_tokenizer, write_rest)
+from .memory import choose as choose_models_in_memory
+from .memory import resolve_setting
+from .out_of_core import (OneAtATime, check_out_of_core, data_fingerprint, digest, load_lazy_merged,
+                          map_large_allocations, models_fingerprint, output_path, save_config_and_tokenizer,
+                          upstream_path)
 from .post_merging import PostMergingMixin, peak_memory
 from .upstream import load_saved_model
 
@@ -45,19 +49,23 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     calibrated model (same class, keys and shapes as the merged one), or with
     ``return_upstream`` a dict that FusionBench evaluates as two models:
     ``{"upstream": ..., "featcal": ...}``. ``family_options`` go to the model's
-    family (e.g. CLIP's ``last_block_patch_token_weight``). ``lazy_loading``:
-    the base and experts are read from their safetensors checkpoints one block
-    at a time, so that only the merged model is held whole. ``stream_device_bytes``
+    family (e.g. CLIP's ``last_block_patch_token_weight``). ``models_in_memory``
+    (``integration.memory``): ``all`` whole; ``merged``: the base and experts read from their safetensors checkpoints
+    one block at a time, only the merged model held whole; ``none``: no model whole, the merged model read block by
+    block too (from ``merged_model_path``, ``_merged_``, or FusionBench's Task Arithmetic or TIES computed tensor by
+    tensor) and each calibrated block written as it finishes to the program's ``merged_model_save_path`` (else
+    ``<log_dir>/featcal_model``; with ``return_upstream`` the upstream beside it, ``..._upstream``): the returned
+    model is that folder loaded for the task pool (None without a task pool), and a stopped run started again with
+    the same command resumes after its last written block; ``auto`` (default): chosen from the checkpoints' sizes
+    against the host's available memory. ``lazy_loading`` / ``out_of_core``: the former names of ``merged`` /
+    ``none``. ``stream_device_bytes``
     (bytes, or e.g. "8GB"; null / "auto": from the device's free memory, unbounded on
     CPU) bounds the hidden-state streams kept on the device; batches beyond it go to
     ``stream_spill`` ("host": pinned host memory; "disk": a temporary folder in
     ``stream_spill_dir``, removed at the end). ``auto_select`` (false: off, the given lambda_ / rho / alpha;
-    true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on a held-out part of each
-    task's calibration examples, then calibrate on all of them with the choice (``autoselect``).
-    ``out_of_core``: no model is ever whole in memory: the merged model is read block by block too (from
-    ``merged_model_path``, ``_merged_``, or FusionBench's Task Arithmetic computed tensor by tensor) and each calibrated
-    block is written as it finishes to the program's ``merged_model_save_path`` (else ``<log_dir>/featcal_model``);
-    the returned model is that folder loaded for the task pool (None without a task pool: nothing is loaded whole).
+    true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on a held-out part of
+    each task's calibration examples (criterion ``objective``: per block, in the one calibration pass, each block
+    then solved with its choice on all examples; ``drift`` / ``agreement``: a calibration per candidate, in memory).
     """
 
     method_name = "FeatCal"
@@ -81,8 +89,9 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         track_upstream_drift: bool = False,
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
-        lazy_loading: bool = False,
-        out_of_core: bool = False,
+        models_in_memory: str = "auto",
+        lazy_loading: Optional[bool] = None,
+        out_of_core: Optional[bool] = None,
         stream_device_bytes: Union[None, int, str] = None,
         stream_spill: str = "host",
         stream_spill_dir: Optional[str] = None,
@@ -98,21 +107,60 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         self.stream_options = StreamOptions(stream_device_bytes, stream_spill, stream_spill_dir)
         self.family_options = _family_options(family_options, last_block_patch_token_weight)
         self.selection_options = SelectionOptions.parse(auto_select)
+        self.in_memory = resolve_setting(models_in_memory, lazy_loading, out_of_core)
+
+    @property
+    def streams_merged(self) -> bool:
+        """Out of core (``models_in_memory=none``): the merged model read and the calibrated one written a block at
+        a time."""
+        return self.in_memory == "none"
 
     def run(self, modelpool: BaseModelPool):
         if not isinstance(modelpool, BaseModelPool):
             modelpool = BaseModelPool(modelpool)
-        hp = self.featcal_hparams
-
-        # Everything that can be wrong with the input is checked before the upstream merge runs.
+        # Everything that can be wrong with the input is checked before any model is read.
         tasks = self.check_pool(modelpool)
-        world_size = self.fabric.world_size
-        if self.out_of_core:
-            check_out_of_core(modelpool, self.upstream, self.merged_model_path, return_upstream=self.return_upstream,
-                              auto_select=self.selection_options is not None, world_size=world_size)
+        self._choose_models_in_memory(modelpool, tasks)
+        output = self._check(modelpool, tasks)
+        datasets = self._calibration_data(modelpool, tasks)
+        base, experts, family = self._models(modelpool, tasks)
+        merged, source = self._source(modelpool, base, experts)
+        upstream_copy = copy.deepcopy(merged) if self.return_upstream and not self.streams_merged else None
+        with self._sinks(output, modelpool, merged, family, datasets, source) as (sink, upstream_sink):
+            report = self._calibrate(modelpool, family, merged, base, experts, datasets, sink, upstream_sink)
+            written, upstream_written = sink.finish(), upstream_sink.finish()
+        self._report(report, source, tasks, written, upstream_written)
+        if not self.streams_merged:
+            return {"upstream": upstream_copy, "featcal": merged, "featcal_calibration": _summary(report)} \
+                if self.return_upstream else merged
+        return self._load_written(written, upstream_written, modelpool, base, report)
+
+    # ---- the steps of run -------------------------------------------------------------------------------------
+
+    def _choose_models_in_memory(self, modelpool, tasks) -> None:
+        if self.in_memory != "auto":
+            return
+        def merged_streams():
+            try:
+                check_out_of_core(modelpool, self.upstream, self.merged_model_path, selection=self.selection_options)
+            except ValueError:
+                return False
+            return True
+
+        self.in_memory, why = choose_models_in_memory(modelpool, tasks, merged_streams)
+        log.info("models_in_memory=auto: %s (%s)", self.in_memory, why)
+
+    def _check(self, modelpool, tasks) -> Optional[str]:
+        """Refuse what cannot run, before any model is read; the output folder out of core (else None)."""
+        hp, world_size = self.featcal_hparams, self.fabric.world_size
+        output = None
+        if self.streams_merged:
+            check_out_of_core(modelpool, self.upstream, self.merged_model_path, selection=self.selection_options)
             program = self._program
             output = output_path(getattr(program, "merged_model_save_path", None),
                                  getattr(program, "log_dir", None) or self.log_dir)
+            if world_size > 1:  # a log folder named by the time may differ between ranks: rank 0's is written
+                output = self.fabric.broadcast(output, src=0)
             map_large_allocations()
         if self.selection_options is not None:
             if world_size > 1 and self.selection_options.criterion != "objective":
@@ -123,31 +171,73 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 )
             share = hp.num_calibration_examples // world_size
             check_split_sizes(share, 1, self.selection_options.heldout_fraction, tasks)
-        # The data first: a dataset that is missing a field or too small fails before any model is loaded.
+        return output
+
+    def _calibration_data(self, modelpool, tasks) -> Dict[str, Any]:
+        """Each task's calibration examples (a dataset that is missing a field or too small fails before any model
+        is loaded), this rank's shard of them: with several devices the moment sums are all-reduced before each
+        solve, so every rank solves the same systems."""
+        hp = self.featcal_hparams
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
                 modelpool, tasks, hp.num_calibration_examples, hp.seed, calibration_datasets=self.calibration_datasets
             )
-            # Several devices: each rank streams a disjoint shard of every task; the moment sums are
-            # all-reduced before each solve, so every rank solves the same systems.
-            rank = self.fabric.global_rank
-            datasets = {t: shard(d, rank, world_size) for t, d in datasets.items()}
+            self._data_fingerprint = data_fingerprint(datasets) if self.streams_merged else None
+            rank, world_size = self.fabric.global_rank, self.fabric.world_size
+            return {t: shard(d, rank, world_size) for t, d in datasets.items()}
+
+    def _models(self, modelpool, tasks):
         with self.profile("load models"):
-            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.lazy_loading or self.out_of_core)
+            base, experts = self.load_base_and_experts(modelpool, tasks, lazy=self.in_memory != "all")
             family = family_for(base, self.family_options)
             family.check_models(modelpool, base)
-            plan_blocks(family, base, hp)
+            plan_blocks(family, base, self.featcal_hparams)
+        return base, experts, family
 
+    def _source(self, modelpool, base, experts):
+        """The merged model: whole in memory, or (out of core) a lazy model read or computed block by block."""
         with self.profile("upstream merge"):
-            if self.out_of_core:
-                merged, source = load_lazy_merged(modelpool, self.upstream, self.merged_model_path, base, experts)
-                check_same_architecture(base, merged, f"the merged model ({source})")
-            else:
-                merged, source = self.load_merged(modelpool, base, experts)
-        upstream_model = copy.deepcopy(merged) if self.return_upstream else None
+            if not self.streams_merged:
+                return self.load_merged(modelpool, base, experts)
+            merged, source = load_lazy_merged(modelpool, self.upstream, self.merged_model_path, base, experts)
+            check_same_architecture(base, merged, f"the merged model ({source})")
+            return merged, source
+
+    @contextmanager
+    def _sinks(self, output, modelpool, merged, family, datasets, source):
+        """Where the calibrated blocks go (and the upstream's, with ``return_upstream``): memory, or out of core
+        checkpoints written block by block by rank 0, resumable."""
+        if not self.streams_merged:
+            yield MemorySink(), MemorySink()
+            return
+        blocks = family.blocks(merged)
+        fingerprint = self._fingerprint(modelpool, source)
+        options = dict(save_extra=save_config_and_tokenizer(merged, modelpool), writer=self.fabric.is_global_zero,
+                       barrier=self.fabric.barrier if self.fabric.world_size > 1 else None)
+        with ExitStack() as stack:
+            sink = stack.enter_context(CheckpointSink(output, merged, blocks, fingerprint=fingerprint, **options))
+            upstream_sink = MemorySink()
+            if self.return_upstream:
+                upstream_sink = stack.enter_context(CheckpointSink(
+                    upstream_path(output), merged, blocks, fingerprint={**fingerprint, "written model": "upstream"},
+                    label="the upstream model", **options))
+            yield sink, upstream_sink
+
+    def _fingerprint(self, modelpool, source) -> Dict[str, str]:
+        """What a resumed run must share with the stopped one."""
+        hp = self.featcal_hparams
+        configuration = {"hparams": {k: getattr(hp, k) for k in hp.__dataclass_fields__},
+                         "family_options": self.family_options, "auto_select": repr(self.selection_options),
+                         "upstream": source, "world_size": self.fabric.world_size}
+        return {"configuration": digest(configuration), "calibration data": self._data_fingerprint,
+                "input models": models_fingerprint(modelpool, self.merged_model_path)}
+
+    def _calibrate(self, modelpool, family, merged, base, experts, datasets, sink, upstream_sink):
+        hp, world_size = self.featcal_hparams, self.fabric.world_size
 
         def make_engine(hparams, engine_family, search=False, **kwargs):
-            # auto_select's search runs neither log per-block metrics nor track the upstream: only the final run does.
+            # auto_select's search runs (drift / agreement) neither log per-block metrics, track the upstream nor
+            # write anything: only the calibration that is kept does.
             final = not search
             return FeatCalEngine(
                 engine_family,
@@ -158,6 +248,8 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 log_fn=self.log_metrics if self.fabric.is_global_zero and final else None,
                 progress=self.fabric.is_global_zero and final,
                 streams=self.stream_options,
+                sink=sink if final else None,
+                upstream_sink=upstream_sink if final else None,
                 **kwargs,
             )
 
@@ -166,58 +258,53 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
 
         with self.profile("calibration"):
             if self.selection_options is not None:
-                report = auto_calibrate(
+                return auto_calibrate(
                     make_engine, lambda extra: family_for(base, {**self.family_options, **extra}),
                     self.selection_options, hp, merged, base, experts, datasets, batches_of, self.fabric.device,
                 )
-            elif self.out_of_core:
-                report = self._calibrate_out_of_core(modelpool, make_engine, family, merged, base, experts,
-                                                     {t: batches_of(datasets[t]) for t in tasks}, output)
-            else:
-                report = make_engine(hp, family).run(merged, base, experts, {t: batches_of(datasets[t]) for t in tasks})
+            return make_engine(hp, family).run(merged, base, experts, {t: batches_of(d) for t, d in datasets.items()})
+
+    def _report(self, report, source, tasks, written, upstream_written) -> None:
+        hp = self.featcal_hparams
         report.update(
             {
                 "upstream": source,
                 "hparams": {k: getattr(hp, k) for k in hp.__dataclass_fields__},
                 "calibration_data": {t: calibration_source(t, "train", self.calibration_datasets) for t in tasks},
                 "device": str(self.fabric.device),
-                "world_size": world_size,
-                "lazy_loading": self.lazy_loading,
-                "out_of_core": self.out_of_core,
+                "world_size": self.fabric.world_size,
+                "models_in_memory": self.in_memory,
                 **peak_memory(self.fabric.device),
             }
         )
+        if written is not None:
+            report["output"] = {"path": str(written)}
+            if upstream_written is not None:
+                report["output"]["upstream_path"] = str(upstream_written)
+        resumed = [entry["block"] for entry in report["blocks"] if entry.get("resumed")]
+        if resumed:
+            report["resumed_blocks"] = resumed
         self.save_report(REPORT_NAME, report)
         self.print_profile_summary("FeatCal profile")
 
-        if self.return_upstream:
-            return {"upstream": upstream_model, "featcal": merged, "featcal_calibration": _summary(report)}
-        if self.out_of_core:
-            return self._load_output(output, modelpool, base)
-        return merged
-
-    def _calibrate_out_of_core(self, modelpool, make_engine, family, merged, base, experts, batches, output):
-        """Calibrate the lazy ``merged`` block by block, each block written to ``output`` as it finishes."""
-        with CheckpointWriter(output, model_bytes(merged)) as writer:
-            report = make_engine(self.featcal_hparams, family, block_sink=block_sink(merged, writer)).run(
-                merged, base, experts, batches)
-            write_rest(merged, family.blocks(merged), writer)
-            writer.commit(save_config_and_tokenizer(merged, modelpool))
-        log.info("the calibrated model was written to %s", output)
-        report["output"] = {"path": str(writer.path), "bytes": writer.total_bytes}
-        return report
-
-    def _load_output(self, output, modelpool, base):
-        """The written model for the program's task pool (None without one), in the base's dtype and with the pool's
-        ``model_kwargs.device_map`` where it sets one; the program is told not to save it again."""
+    def _load_written(self, written, upstream_written, modelpool, base, report):
+        """The written model(s) for the program's task pool (None without one), in the base's dtype and with the
+        pool's ``model_kwargs.device_map`` where it sets one, one at a time; the program is told not to save again."""
         program = self._program
         if program is not None and getattr(program, "merged_model_save_path", None) is not None:
             program.merged_model_save_path = None  # already written, block by block
         if program is not None and getattr(program, "_taskpool", None) is None:
-            log.info("no task pool: the calibrated model stays on disk, at %s", output)
+            log.info("no task pool: the calibrated model stays on disk, at %s", written)
             return None
         device_map = (getattr(modelpool, "model_kwargs", None) or {}).get("device_map")
-        return load_saved_model(output, base, device_map=device_map)
+
+        def load(path):
+            return load_saved_model(str(path), base, device_map=device_map)
+
+        if not self.return_upstream:
+            return load(written)
+        return OneAtATime({"upstream": lambda: load(upstream_written), "featcal": lambda: load(written)},
+                          {"featcal_calibration": _summary(report)})
 
     def _all_reduce(self, tensor):
         return self.fabric.all_reduce(tensor.to(self.fabric.device), reduce_op="sum").to(tensor.device)

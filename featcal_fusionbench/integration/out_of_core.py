@@ -12,18 +12,20 @@ output is an HF folder (safetensors shards, their index, config, generation conf
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..models.checkpoint_writer import CheckpointWriter
 from ..models.checks import check_checkpoint_matches, warn_config_differences
-from ..models.lazy import CheckpointTensors, checkpoint_folder, entry_path, lazy_like, tied_names
+from ..models.lazy import CheckpointTensors, checkpoint_folder, entry_path, lazy_like
 from ..models.lazy_merge import lazy_task_arithmetic, lazy_ties_merging
-from ..models.residency import on_device
 from .upstream import check_upstream_source, describe_upstream
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,7 @@ def lazy_upstream(upstream: Any) -> Optional[Dict[str, Any]]:
     return settings
 
 
-def check_out_of_core(modelpool, upstream: Any, merged_model_path: Optional[str], *, return_upstream: bool,
-                      auto_select: bool, world_size: int) -> None:
+def check_out_of_core(modelpool, upstream: Any, merged_model_path: Optional[str], selection=None) -> None:
     """Refuse, before any model is read, what out of core cannot do."""
     check_upstream_source(modelpool, upstream, merged_model_path)
     if merged_model_path is None and not modelpool.has_merged and lazy_upstream(upstream) is None:
@@ -82,13 +83,10 @@ def check_out_of_core(modelpool, upstream: Any, merged_model_path: Optional[str]
             f"out_of_core reads the merged model block by block: the upstream {describe_upstream(upstream)} would "
             "build it whole; give its saved checkpoint as method.merged_model_path (or the pool's `_merged_`), or use "
             "FusionBench's Task Arithmetic or TIES as the upstream (computed tensor by tensor)")
-    if return_upstream:
-        raise ValueError("return_upstream keeps the upstream model whole beside the calibrated one; with out_of_core, "
-                         "evaluate the upstream merge from its own checkpoint")
-    if auto_select:
-        raise ValueError("auto_select calibrates several candidate models; it does not run out of core yet")
-    if world_size > 1:
-        raise ValueError("out_of_core writes the calibrated model from one process; it runs on one device")
+    if selection is not None and selection.criterion != "objective":
+        raise ValueError(
+            f"auto_select criterion {selection.criterion!r} calibrates a copy of the whole merged model per "
+            "candidate; out of core, use criterion objective (chosen block by block in the one calibration pass)")
 
 
 def load_lazy_merged(modelpool, upstream: Any, merged_model_path: Optional[str], base: nn.Module,
@@ -162,46 +160,6 @@ def output_path(save_path: Optional[str], log_dir: Optional[str]) -> str:
     raise ValueError("out_of_core writes the calibrated model to disk: set merged_model_save_path (or path.log_dir)")
 
 
-def model_bytes(model: nn.Module) -> int:
-    """One model's parameter bytes, a tied tensor counted once (a lazy skeleton holds tied ones apart)."""
-    aliases, seen, total = tied_names(model), set(), 0
-    for name, parameter in model.named_parameters():
-        if not set(aliases.get(name, ())) & seen:
-            total += parameter.numel() * parameter.element_size()
-        seen.add(name)
-    return total
-
-
-def block_sink(model: nn.Module, writer: CheckpointWriter):
-    """``engine.FeatCalEngine``'s ``block_sink``: each calibrated block written as one shard."""
-    names = {id(module): name for name, module in model.named_modules()}
-
-    def write(index: int, block: nn.Module) -> None:
-        prefix = names[id(block)]
-        writer.write({f"{prefix}.{key}": value for key, value in block.state_dict().items()})
-
-    return write
-
-
-def write_rest(model: nn.Module, blocks: List[nn.Module], writer: CheckpointWriter) -> None:
-    """Every parameter outside the blocks, as the merged model holds it, one module at a time; a tied output
-    embedding is left to the input one, as ``save_pretrained`` leaves it."""
-    inside = {id(m) for block in blocks for m in block.modules()}
-    aliases = tied_names(model)
-    written: set = set(writer.weight_map)
-    for prefix, module in model.named_modules():
-        if id(module) in inside:
-            continue
-        own = [name for name, _ in module.named_parameters(recurse=False)]
-        keys = {name: f"{prefix}.{name}" if prefix else name for name in own}
-        keys = {name: key for name, key in keys.items() if not set(aliases.get(key, ())) & written}
-        if not keys:
-            continue
-        with on_device([module], "cpu"):
-            writer.write({key: getattr(module, name) for name, key in keys.items()})
-        written.update(keys.values())
-
-
 def save_config_and_tokenizer(model: nn.Module, modelpool):
     """``CheckpointWriter.commit``'s extra files: the model's config and generation config, the pool's tokenizer."""
 
@@ -216,5 +174,88 @@ def save_config_and_tokenizer(model: nn.Module, modelpool):
     return save
 
 
-__all__ = ["DEFAULT_OUTPUT", "block_sink", "check_out_of_core", "lazy_merge_of", "lazy_upstream", "load_lazy_merged",
-           "map_large_allocations", "model_bytes", "output_path", "save_config_and_tokenizer", "write_rest"]
+def upstream_path(output) -> str:
+    """Where ``return_upstream`` writes the upstream model out of core: beside the calibrated one."""
+    return f"{str(output).rstrip('/')}_upstream"
+
+
+def digest(value: Any) -> str:
+    """A short stable hash of a JSON-able value (keys sorted; other objects by their text)."""
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _feed(hasher, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        hasher.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            hasher.update(str(key).encode())
+            _feed(hasher, value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _feed(hasher, item)
+    elif hasattr(value, "tobytes"):  # numpy arrays, PIL images
+        hasher.update(repr(getattr(value, "size", getattr(value, "shape", ""))).encode())
+        hasher.update(value.tobytes())
+    else:
+        hasher.update(repr(value).encode())
+
+
+def data_fingerprint(datasets: Mapping[str, Any]) -> str:
+    """A hash of every task's selected calibration examples, read example by example."""
+    hasher = hashlib.sha256()
+    for task in sorted(datasets):
+        hasher.update(task.encode())
+        dataset = datasets[task]
+        for i in range(len(dataset)):
+            _feed(hasher, dataset[i])
+    return hasher.hexdigest()[:16]
+
+
+def models_fingerprint(modelpool, merged_model_path: Optional[str]) -> str:
+    """The input models as named (pool entries, ``merged_model_path``) and, where they are local, their files'
+    names, sizes and modification times: a checkpoint saved again is a changed input."""
+    entries = {name: modelpool.get_model_config(name, return_copy=True) for name in modelpool.all_model_names}
+    if merged_model_path is not None:
+        entries["merged_model_path"] = merged_model_path
+    described = {}
+    for name, entry in entries.items():
+        path = entry_path(entry) if not isinstance(entry, str) else entry
+        files = []
+        if path is not None and os.path.exists(path):
+            root = Path(path)
+            for file in sorted(root.rglob("*") if root.is_dir() else [root]):
+                if file.is_file():
+                    stat = file.stat()
+                    files.append((str(file.relative_to(root)) if root.is_dir() else file.name, stat.st_size,
+                                  stat.st_mtime_ns))
+        described[name] = {"entry": repr(entry), "files": files}
+    return digest(described)
+
+
+class OneAtATime(dict):
+    """Written models for FusionBench's program, which evaluates a returned dict's models in turn
+    (``FabricModelFusionProgram.evaluate_merged_model``: ``for key, item in merged_model.items()``): each is loaded
+    when its turn comes, and its tensors are released before the next is loaded, so that no two are in memory at
+    once. Other entries are the report's metadata."""
+
+    def __init__(self, loaders: Mapping[str, Callable[[], nn.Module]], metadata: Mapping[str, Any]):
+        super().__init__({**dict.fromkeys(loaders, None), **metadata})
+        self.loaders = dict(loaders)
+
+    def items(self):
+        for key in list(self.keys()):
+            if key not in self.loaders:
+                yield key, dict.__getitem__(self, key)
+                continue
+            model = self.loaders[key]()
+            yield key, model
+            model.to("meta")  # the task pool has scored it: its tensors go, whoever still holds the module
+            del model
+
+
+__all__ = ["DEFAULT_OUTPUT", "OneAtATime", "check_out_of_core", "data_fingerprint", "digest", "lazy_merge_of",
+           "lazy_upstream", "load_lazy_merged", "map_large_allocations", "models_fingerprint", "output_path",
+           "save_config_and_tokenizer", "upstream_path"]

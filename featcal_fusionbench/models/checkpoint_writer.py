@@ -1,21 +1,29 @@
-"""A Hugging Face safetensors checkpoint written a few tensors at a time, complete or not at all.
+"""A Hugging Face safetensors checkpoint written a few tensors at a time, complete or not at all, and resumable.
 
 The out-of-core path writes each calibrated block as soon as it is solved, so the checkpoint grows shard by shard
 (one per ``write``) with the index that ``from_pretrained`` reads (``model.safetensors.index.json``: tensor name ->
-shard). Everything goes into a hidden temporary folder beside the target; ``commit`` renames it into place, and
-leaving the context without a commit (an error, Ctrl-C, a full disk) removes it: no folder that looks complete is
-ever left behind.
+shard). Everything goes into a hidden partial folder beside the target (``.NAME.partial``), which holds no index
+until ``commit`` writes it and renames the folder into place: no folder that looks complete is ever left behind.
+
+Without a ``fingerprint``, leaving the context without a commit (an error, Ctrl-C, a full disk) removes the partial
+folder. With one, the partial folder is a run's progress: each block written with ``write_block`` is recorded in
+``featcal_progress.json`` (with the fingerprint of what the run depends on and the block's report entry) only once
+its shard is on disk, and the folder stays when the run stops (killed, out of memory, preempted), so that the same
+command resumes after the last recorded block. A partial folder of another fingerprint is refused, naming what
+changed. A full disk still removes it (the space is the problem). A lock held while a process writes keeps a second
+run off the same output.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -23,37 +31,134 @@ from .lazy import SAFETENSORS_INDEX
 
 log = logging.getLogger(__name__)
 
+PROGRESS = "featcal_progress.json"
+LOCK = ".lock"
+
+
+def partial_folder(path) -> Path:
+    """Where the checkpoint for ``path`` is written until it is complete."""
+    path = Path(path).expanduser().absolute()
+    return path.parent / f".{path.name}.partial"
+
+
+def read_progress(folder) -> Optional[Dict[str, Any]]:
+    """A partial folder's recorded progress (fingerprint and finished blocks), or None."""
+    file = Path(folder) / PROGRESS
+    if not file.is_file():
+        return None
+    return json.loads(file.read_text())
+
 
 class CheckpointWriter:
     """``with CheckpointWriter(path, expected_bytes) as out: out.write({...}); ...; out.commit(extra)``."""
 
-    def __init__(self, path, expected_bytes: int = 0):
+    def __init__(self, path, expected_bytes: int = 0, fingerprint: Optional[Mapping[str, str]] = None,
+                 label: str = "the calibrated model"):
         self.path = Path(path).expanduser().absolute()
+        self.label = label
         if self.path.exists() and not self.path.is_dir():
-            raise FileExistsError(f"the calibrated model's output {self.path} exists and is not a folder")
+            raise FileExistsError(f"{label}'s output {self.path} exists and is not a folder")
         self.expected_bytes = expected_bytes
-        self.temporary = self.path.parent / f".{self.path.name}.partial-{os.getpid()}"
+        self.fingerprint = None if fingerprint is None else dict(fingerprint)
+        self.temporary = partial_folder(self.path)
         self.weight_map: Dict[str, str] = {}
         self.total_bytes = 0
+        self.blocks: Dict[str, Dict[str, Any]] = {}  # recorded blocks, by index as text (JSON's keys)
         self.committed = False
+        self._lock = None
 
     def __enter__(self) -> "CheckpointWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        progress = read_progress(self.temporary) if self.fingerprint is not None else None
+        if progress is not None:
+            self._check_fingerprint(progress.get("fingerprint", {}))
         free = shutil.disk_usage(self.path.parent).free
-        if self.expected_bytes > free:
+        needed = self.expected_bytes - sum(b["bytes"] for b in (progress or {}).get("blocks", {}).values())
+        if needed > free:
             raise OSError(
                 errno.ENOSPC,
-                f"the calibrated model needs {self.expected_bytes / 2**30:.2f} GiB and {self.path.parent} has "
-                f"{free / 2**30:.2f} GiB free",
+                f"{self.label} needs {needed / 2**30:.2f} GiB and {self.path.parent} has {free / 2**30:.2f} GiB free",
             )
-        shutil.rmtree(self.temporary, ignore_errors=True)  # a previous run of this very process id
-        self.temporary.mkdir()
+        if progress is None:
+            self._lock_folder(fresh=True)
+            if self.fingerprint is not None:
+                self._save_progress()
+            return self
+        self._lock_folder(fresh=False)
+        self.blocks = progress["blocks"]
+        for block in self.blocks.values():
+            self.weight_map.update(dict.fromkeys(block["tensors"], block["shard"]))
+            self.total_bytes += block["bytes"]
+        for stale in self.temporary.glob("*.safetensors"):  # written after the last recorded block, or the rest
+            if stale.name not in self.weight_map.values():
+                stale.unlink()
+        log.info("resuming %s from %s: %d block(s) already written", self.label, self.temporary, len(self.blocks))
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if not self.committed:
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not self.committed and (self.fingerprint is None or full or kind is None):
             shutil.rmtree(self.temporary, ignore_errors=True)
             log.info("the partial checkpoint %s was removed", self.temporary)
+        elif not self.committed:
+            log.warning("%s stopped after %d block(s); they are kept in %s and the same command resumes there",
+                        self.label, len(self.blocks), self.temporary)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _lock_folder(self, fresh: bool) -> None:
+        if fresh:
+            self._check_unlocked()
+            shutil.rmtree(self.temporary, ignore_errors=True)  # a partial output of no recorded progress
+            self.temporary.mkdir()
+        self._lock = open(self.temporary / LOCK, "a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            self._lock = None
+            raise RuntimeError(f"another run is writing {self.path} (its partial output {self.temporary} is locked)")
+
+    def _check_unlocked(self) -> None:
+        if not (self.temporary / LOCK).exists():
+            return
+        with open(self.temporary / LOCK, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(
+                    f"another run is writing {self.path} (its partial output {self.temporary} is locked)") from None
+
+    def _check_fingerprint(self, stored: Mapping[str, str]) -> None:
+        changed = sorted(k for k in {**stored, **self.fingerprint} if stored.get(k) != self.fingerprint.get(k))
+        if changed:
+            raise ValueError(
+                f"{self.path} has a partial output from a stopped run ({self.temporary}) whose "
+                f"{', '.join(changed)} differ(s) from this run's, so it cannot be resumed; to start over, remove "
+                f"{self.temporary} (or write to another path), or run the stopped run's command again to finish it"
+            )
+
+    def _save_progress(self) -> None:
+        progress = {"fingerprint": self.fingerprint, "blocks": self.blocks}
+        staged = self.temporary / f"{PROGRESS}.staged"
+        staged.write_text(json.dumps(progress, indent=1))
+        os.replace(staged, self.temporary / PROGRESS)  # a block counts as written once this lands
+
+    def write_block(self, index: int, tensors: Mapping[str, torch.Tensor], entry: Optional[Mapping] = None) -> None:
+        """One block's shard, recorded (with its report ``entry``) as finished once it is on disk."""
+        before = set(self.weight_map)
+        self.write(tensors)
+        if self.fingerprint is None:
+            return
+        names = sorted(set(self.weight_map) - before)
+        shard = self.weight_map[names[0]] if names else None
+        if shard is None:
+            return
+        nbytes = os.path.getsize(self.temporary / shard)
+        self.blocks[str(index)] = {"shard": shard, "tensors": names, "bytes": sum(
+            t.numel() * t.element_size() for t in tensors.values()), "file_bytes": nbytes, "entry": dict(entry or {})}
+        self._guard(self._save_progress)
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """One shard holding ``tensors`` (moved to host memory; its names must be new)."""
@@ -79,6 +184,8 @@ class CheckpointWriter:
             (self.temporary / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
             if save_extra is not None:
                 save_extra(self.temporary)
+            for bookkeeping in (PROGRESS, LOCK):
+                (self.temporary / bookkeeping).unlink(missing_ok=True)
 
         self._guard(finish)
         old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
@@ -101,11 +208,11 @@ class CheckpointWriter:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise OSError(
                     error.errno,
-                    f"the disk filled while the calibrated model was written to {self.path} "
+                    f"the disk filled while {self.label} was written to {self.path} "
                     f"({self.total_bytes / 2**30:.2f} GiB written of about {self.expected_bytes / 2**30:.2f} GiB); "
                     "the partial output is removed",
                 ) from error
             raise
 
 
-__all__ = ["CheckpointWriter"]
+__all__ = ["CheckpointWriter", "partial_folder", "read_progress"]

@@ -44,7 +44,7 @@ class CheckpointTensors:
         else:
             raise FileNotFoundError(
                 f"lazy loading reads safetensors checkpoints: {self.folder} has neither {SAFETENSORS_FILE} nor "
-                f"{SAFETENSORS_INDEX} (a pool entry that is not such a folder is loaded whole with lazy_loading=false)"
+                f"{SAFETENSORS_INDEX} (a pool entry that is not such a folder is loaded whole with models_in_memory=all)"
             )
 
     def __contains__(self, key: str) -> bool:
@@ -244,7 +244,7 @@ def load_pool_model_lazily(modelpool, name: str) -> nn.Module:
 
     entry = modelpool.get_model_config(name, return_copy=False)
     if isinstance(entry, nn.Module):
-        raise TypeError(f"lazy loading reads checkpoints; the pool's {name!r} is a live module (set lazy_loading=false)")
+        raise TypeError(f"lazy loading reads checkpoints; the pool's {name!r} is a live module (set models_in_memory=all)")
     raw = getattr(modelpool, "model_kwargs", None) or {}
     kwargs = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
     class_name = next((c for p, c in POOL_MODEL_CLASSES.items() if any(t.__name__ == p for t in type(modelpool).__mro__)), None)
