@@ -37,8 +37,9 @@ def llama_pool(root, arch="llama", dtype=None, merged=None):
         ids = torch.randint(1, 384, (12, 9), generator=torch.Generator().manual_seed(i)).tolist()
         Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 9] * 12}).save_to_disk(root / f"{task}_data")
         train[task] = {"_target_": "datasets.load_from_disk", "dataset_path": str(root / f"{task}_data")}
-    if merged is not None:
-        merged(base).save_pretrained(root / "merged", max_shard_size="20KB")  # sharded, as mergekit writes
+    merge = None if merged is None else merged(base)
+    if merge is not None:
+        merge.save_pretrained(root / "merged", max_shard_size="20KB")  # sharded, as mergekit writes
         models["_merged_"] = str(root / "merged")
     kwargs = {"torch_dtype": dtype} if dtype else {}
     return CausalLMPool(models=models, train_datasets=train, tokenizer=str(root / "base"), model_kwargs=kwargs)
@@ -416,3 +417,28 @@ def test_auto_chooses_from_the_checkpoints_sizes_against_available_memory(times,
     method = FeatCalAlgorithm(**ARGS, upstream={"_target_": "fusion_bench.method.SimpleAverageAlgorithm"})
     method._choose_models_in_memory(pool, ["math", "coding"])
     assert method.in_memory == ("all" if expected == "all" else "merged"), "the average cannot be read block by block"
+
+
+@pytest.mark.parametrize("where", ["merged_model_path", "expert", "sharded merge"])
+def test_a_truncated_checkpoint_is_named_before_any_model_loads(where, tmp_path, monkeypatch):
+    """A safetensors file cut short (an interrupted copy) fails naming the file, from its header, whether it is
+    method.merged_model_path, a pool entry or one shard of a sharded merge; safetensors' own error names no file."""
+    from featcal_fusionbench.integration import post_merging
+
+    pool = llama_pool(tmp_path, merged=lambda base: perturbed(base, 0.02, 5) if where == "sharded merge" else None)
+    options = {"upstream": TA_BACKBONE}
+    if where == "merged_model_path":
+        perturbed(tiny_causal_lm("llama", vocab=384), 0.02, 5).save_pretrained(tmp_path / "single")
+        damaged, options = tmp_path / "single" / "model.safetensors", {"merged_model_path": str(tmp_path / "single")}
+    elif where == "expert":
+        damaged = tmp_path / "math" / "model.safetensors"
+    else:
+        damaged = sorted((tmp_path / "merged").glob("*.safetensors"))[1]
+        options = {}
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[:-100])
+    monkeypatch.setattr(post_merging.PostMergingMixin, "load_base_and_experts",
+                        lambda *a, **k: pytest.fail("a model was read"))
+    with pytest.raises(ValueError, match=rf"{damaged} is truncated or corrupt \(its header describes \d+ bytes of "
+                                         rf"tensor data and the file holds \d+\); download or save it again"):
+        calibrate(pool, **options)

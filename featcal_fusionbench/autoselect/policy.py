@@ -56,20 +56,26 @@ class HeldoutChoice:
             step.fold(moments, expert_sites, self.heldout, self.hparams)
         else:
             raise ValueError(f"a task's part is 'fit' or 'heldout', not {part!r}")
+        held = moments.nbytes + self.heldout.nbytes() + sum(sums.nbytes() for sums in self.fit_sums.values())
+        step.peak_bytes = max(step.peak_bytes, held)  # every sum the choice keeps, beside one task part's moments
 
     def choose(self, step: BlockStep) -> FeatCalHParams:
         current = {n: {"weight": s.weight, "bias": s.bias} for n, s in step.plan.sites.items()}
         scores: Dict[str, float] = {}
         for candidate in self.policy.candidates:
             key = candidate_key(candidate)
+            terms: List[float] = []
+
+            def score(name, params):  # each site scored as soon as it is solved: no candidate's block is held whole
+                terms.append(self.heldout.site(name, {**current[name], **params}))
+
             try:
-                solution = step.solve(self.fit_sums[candidate["alpha"]], with_candidate(self.hparams, candidate))
+                step.solve(self.fit_sums[candidate["alpha"]], with_candidate(self.hparams, candidate), visit=score)
             except NonFiniteError:
                 scores[key] = float("nan")  # a candidate whose solve overflows is never chosen
                 continue
             self.policy.solves += 1
-            scores[key] = self.heldout.score(solution.by_site(), current)
-            del solution  # one candidate's parameters at a time
+            scores[key] = sum(terms)
         chosen = best_of(scores, higher_is_better=False)  # ties keep the earlier candidate
         self.fit_sums = self.heldout = None
         self.report = {"selection": {"chosen": chosen, "scores": scores}}

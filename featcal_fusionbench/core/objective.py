@@ -99,6 +99,12 @@ class HeldoutObjective:
             value = value + 2.0 * (e["z"] * g * b).sum() + self.num_tasks * (b @ b) - 2.0 * (b * e["r_beta"]).sum()
         return float(value)
 
+    def site(self, name: str, params: Mapping[str, Tensor]) -> float:
+        """One site's term of the objective for its ``params`` (``weight``, and ``bias`` where it has one)."""
+        if name in self.group_of:
+            return self.linear(name, params["weight"], params.get("bias"))
+        return self.normalization(name, params["weight"], params.get("bias"))
+
     def score(self, solution: Mapping[str, Mapping[str, Tensor]], current: Mapping[str, Mapping[str, Tensor]]) -> float:
         """The block's objective for a candidate's ``solution`` (site -> attribute -> value); attributes it leaves
         unsolved (e.g. a bias with ``calibrate_bias`` off) keep their ``current`` values."""

@@ -209,16 +209,20 @@ class BlockStep:
             sums.add_norm(name, stats, expert_sites[name])
         sums.num_tasks += 1
 
-    def solve(self, sums, hp: FeatCalHParams, consume: bool = False) -> BlockSolution:
+    def solve(self, sums, hp: FeatCalHParams, consume: bool = False,
+              visit: Optional[Callable[[str, Dict[str, Tensor]], None]] = None) -> BlockSolution:
         """The block's new parameters from ``sums`` (a ``BlockSums``) under ``hp``; nothing is written. The base
         block must be on the device. With ``consume`` (sums solved once), each group's sums are dropped as soon as
         its modules are solved and every value is kept in its parameter's dtype: at Llama-3.2-1B shape a block's
-        float64 solutions and its sums would otherwise be most of the host-memory peak."""
+        float64 solutions and its sums would otherwise be most of the host-memory peak. With ``visit``, each site's
+        values are handed to ``visit(name, {attribute: value})`` as soon as they are solved and not kept (the
+        solution holds only the solver counts): a candidate scored site by site never holds a whole block."""
         plan = self.plan
         cal_sites = plan.sites
         base_sites = self.family.sites(self.base_block)
         solution = BlockSolution()
         methods: Counter = Counter()
+        site_values: Dict[str, Tensor] = {}
 
         def anchored(name, attr):
             return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), hp.rho)
@@ -226,7 +230,15 @@ class BlockStep:
         def update(name, attr, value):
             if consume:  # the values write would copy in anyway
                 value = value.to(getattr(cal_sites[name], attr).dtype)
-            solution.updates.append((name, attr, value))
+            if visit is None:
+                solution.updates.append((name, attr, value))
+            else:
+                site_values[attr] = value
+
+        def site_done(name):
+            if visit is not None:
+                visit(name, dict(site_values))
+                site_values.clear()
 
         for gi, group in enumerate(self.groups or []):
             for name in group.names:
@@ -247,6 +259,7 @@ class BlockStep:
                     )
                     check_finite(bias, f"the solved bias of {full}")
                     update(name, "bias", bias)
+                site_done(name)
             if consume:
                 sums.drop_group(gi, group.names)
         for name, entry in sums.norm.items():
@@ -263,6 +276,7 @@ class BlockStep:
                 gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
             check_finite(gamma, f"the solved scale of {full}")
             update(name, "weight", gamma)
+            site_done(name)
         solution.methods = dict(methods)
         return solution
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..families import family_class_for
-from ..models.checks import check_pool_checkpoint, check_same_architecture
-from ..models.lazy import load_pool_model_lazily
+from ..models.checks import check_checkpoint_files, check_pool_checkpoint, check_same_architecture
+from ..models.lazy import entry_path, load_pool_model_lazily
 from .data import check_splits
 from .hub_access import check_hub_access, fetch_only_loaded_files, hub_id, pool_sources
 from .pool_names import warn_if_nothing_is_evaluated
@@ -51,6 +51,10 @@ class PostMergingMixin:
         merged = [("method.merged_model_path", merged_id, "model")] if merged_id else []
         check_hub_access(itertools.chain(merged, pool_sources(modelpool, calibration, tasks)))
         check_splits(modelpool, tasks, split, calibration)
+        # local checkpoints cut short or damaged are named now, from their headers, before any model loads
+        check_checkpoint_files(self.merged_model_path)
+        for name in modelpool.all_model_names:
+            check_checkpoint_files(entry_path(modelpool.get_model_config(name, return_copy=False)))
         fetch_only_loaded_files(modelpool)  # the checks passed: what the pool would snapshot, fetched lean
         return tasks
 

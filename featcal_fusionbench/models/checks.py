@@ -9,7 +9,7 @@ from typing import Collection, List
 
 from torch import nn
 
-from .lazy import SAFETENSORS_FILE, SAFETENSORS_INDEX, CheckpointTensors, entry_path, tied_names
+from .lazy import SAFETENSORS_FILE, SAFETENSORS_INDEX, CheckpointTensors, entry_path, safetensors_header, tied_names
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,20 @@ def check_checkpoint_matches(folder, reference: nn.Module, name: str, shapes_may
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ValueError(f"{name} at {folder} does not match the pretrained model: {'; '.join(problems[:5])}{more}")
     return True
+
+
+def check_checkpoint_files(path) -> None:
+    """A local safetensors checkpoint (a folder, one file or sharded, or a ``.safetensors`` file) whose files are cut
+    short or damaged fails naming the file, from the headers alone (nothing is read beyond them); anything else
+    (a hub id, another format) is left to its loader."""
+    if path is None:
+        return
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            safetensors_header(f, path)
+    elif path.is_dir() and ((path / SAFETENSORS_FILE).is_file() or (path / SAFETENSORS_INDEX).is_file()):
+        CheckpointTensors(path).shapes()
 
 
 # config.json keys that say how a checkpoint was saved, not what the model computes

@@ -37,10 +37,8 @@ class CheckpointTensors:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {key: self.folder / name for key, name in weight_map.items()}
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {key: single for key in f.keys()}
+            with open(single, "rb") as f:
+                self.files = dict.fromkeys(safetensors_header(f, single)[0], single)
         else:
             raise FileNotFoundError(
                 f"lazy loading reads safetensors checkpoints: {self.folder} has neither {SAFETENSORS_FILE} nor "
@@ -55,7 +53,7 @@ class CheckpointTensors:
         out = {}
         for path in sorted(set(self.files.values())):
             with open(path, "rb") as f:
-                header, _ = _safetensors_header(f)
+                header, _ = safetensors_header(f, path)
             out.update({key: tuple(entry["shape"]) for key, entry in header.items()})
         return out
 
@@ -70,7 +68,7 @@ class CheckpointTensors:
         out = {}
         for path, names in by_file.items():  # one shard open at a time
             with open(path, "rb", buffering=0) as f:
-                header, data_start = _safetensors_header(f)
+                header, data_start = safetensors_header(f, path)
                 for name in names:
                     entry = header[name]
                     begin, end = entry["data_offsets"]
@@ -93,12 +91,33 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _safetensors_header(f) -> Tuple[Dict[str, Any], int]:
+def safetensors_header(f, path) -> Tuple[Dict[str, Any], int]:
     """The open file's tensor entries and where their data starts: 8 bytes of header size, the JSON header, the
-    data."""
+    data, which must cover the tensors' offsets exactly. A file cut short (an interrupted download or copy) or
+    otherwise damaged is named here, before any model is built from it: safetensors' own message names no file."""
+    total = os.fstat(f.fileno()).st_size
+
+    def corrupt(what: str) -> ValueError:
+        return ValueError(f"{path} is truncated or corrupt ({what}); download or save it again")
+
+    if total < 8:
+        raise corrupt(f"{total} bytes, fewer than the 8 of a safetensors header's size")
     size = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(size))
+    if size > total - 8:
+        raise corrupt(f"its header claims {size} bytes and the file holds {total - 8} after the size")
+    try:
+        header = json.loads(f.read(size))
+    except ValueError as error:
+        raise corrupt(f"its header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
     header.pop("__metadata__", None)
+    try:
+        end = max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise corrupt("a tensor entry of its header has no data offsets") from None
+    if end != total - 8 - size:
+        raise corrupt(f"its header describes {end} bytes of tensor data and the file holds {total - 8 - size}")
     return header, 8 + size
 
 
@@ -289,4 +308,5 @@ def checkpoint_folder(name_or_path: str) -> Path:
 
 
 __all__ = ["CheckpointTensors", "attach_tensors", "checkpoint_folder", "entry_path", "is_lazy", "lazy_like",
-           "load_lazily", "load_pool_model_lazily", "materialize", "release", "tensors_of", "tied_names"]
+           "load_lazily", "load_pool_model_lazily", "materialize", "release", "safetensors_header", "tensors_of",
+           "tied_names"]
