@@ -9,7 +9,7 @@ the chosen prefix (greedy, per block), in the one pass that calibrates.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from ..core.block_sums import BlockSums
 from ..core.hparams import FeatCalHParams

@@ -104,16 +104,3 @@ class HeldoutObjective:
         if name in self.group_of:
             return self.linear(name, params["weight"], params.get("bias"))
         return self.normalization(name, params["weight"], params.get("bias"))
-
-    def score(self, solution: Mapping[str, Mapping[str, Tensor]], current: Mapping[str, Mapping[str, Tensor]]) -> float:
-        """The block's objective for a candidate's ``solution`` (site -> attribute -> value); attributes it leaves
-        unsolved (e.g. a bias with ``calibrate_bias`` off) keep their ``current`` values."""
-        total = 0.0
-        for name in self.group_of:
-            params = {**current[name], **solution.get(name, {})}
-            total += self.linear(name, params["weight"], params.get("bias"))
-        for name in self.norm:
-            params = {**current[name], **solution.get(name, {})}
-            total += self.normalization(name, params["weight"], params.get("bias"))
-        return total
-

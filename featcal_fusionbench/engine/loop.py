@@ -21,7 +21,6 @@ calibrated sites and their parameters, token weights.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter
@@ -119,6 +118,7 @@ class FeatCalEngine:
         self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
         self.sink = sink
         self.upstream_sink = upstream_sink
+        self.fit_batches: Dict[str, int] = {}  # per task, how many of its stream's batches are fit ones
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -199,7 +199,7 @@ class FeatCalEngine:
             streams: Dict[str, TaskStreams] = {}
             # With held-out batches, a task's one stream holds its fit batches, then its held-out ones: the choice
             # reads the two ranges apart, the block is then solved on all of them and every batch advances.
-            self.fit_batches: Dict[str, int] = {}
+            self.fit_batches = {}
             for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
                 batches = list(task_batches[task])
                 self.fit_batches[task] = len(batches)

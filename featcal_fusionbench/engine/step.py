@@ -67,11 +67,6 @@ class BlockSolution:
     updates: List[Tuple[str, str, Tensor]] = field(default_factory=list)
     methods: Dict[str, int] = field(default_factory=dict)
 
-    def by_site(self) -> Dict[str, Dict[str, Tensor]]:
-        out: Dict[str, Dict[str, Tensor]] = {}
-        for name, attr, value in self.updates:
-            out.setdefault(name, {})[attr] = value
-        return out
 
 
 class BlockStep:

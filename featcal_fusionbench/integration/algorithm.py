@@ -126,7 +126,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         base, experts, family = self._models(modelpool, tasks)
         merged, source = self._source(modelpool, base, experts)
         upstream_copy = copy.deepcopy(merged) if self.return_upstream and not self.streams_merged else None
-        with self._sinks(output, modelpool, merged, family, datasets, source) as (sink, upstream_sink):
+        with self._sinks(output, modelpool, merged, family, source) as (sink, upstream_sink):
             report = self._calibrate(modelpool, family, merged, base, experts, datasets, sink, upstream_sink)
             written, upstream_written = sink.finish(), upstream_sink.finish()
         self._report(report, source, tasks, written, upstream_written)
@@ -140,6 +140,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     def _choose_models_in_memory(self, modelpool, tasks) -> None:
         if self.in_memory != "auto":
             return
+
         def merged_streams():
             try:
                 check_out_of_core(modelpool, self.upstream, self.merged_model_path, selection=self.selection_options)
@@ -204,7 +205,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             return merged, source
 
     @contextmanager
-    def _sinks(self, output, modelpool, merged, family, datasets, source):
+    def _sinks(self, output, modelpool, merged, family, source):
         """Where the calibrated blocks go (and the upstream's, with ``return_upstream``): memory, or out of core
         checkpoints written block by block by rank 0, resumable."""
         if not self.streams_merged:
