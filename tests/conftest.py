@@ -60,7 +60,7 @@ def tiny_t5_pool(tmp_path_factory):
     tokenizer_cfg = {"_target_": "transformers.AutoTokenizer.from_pretrained", "pretrained_model_name_or_path": str(root / "pretrained")}
     modelpool = {"_target_": "fusion_bench.modelpool.Seq2SeqLMPool", "_recursive_": False, "tokenizer": tokenizer_cfg, **pool}
     taskpool = {
-        "_target_": "featcal_fusionbench.integration.text_taskpool.TextGenerationTaskPool", "_recursive_": False,
+        "_target_": "featcal_fusionbench.evaluation.text_taskpool.TextGenerationTaskPool", "_recursive_": False,
         "test_datasets": pool["test_datasets"], "tokenizer": str(root / "pretrained"), "regression_tasks": [],
         "batch_size": 8,
     }
@@ -114,7 +114,7 @@ def tiny_llama_pool(tmp_path_factory):
         data = {"dataset_kwargs": {"data_files": {"test": str(tasks / f"{name}.jsonl")}}}
         (tasks / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **common, **data, **spec}))
     taskpool = {
-        "_target_": "featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool", "include_path": str(tasks),
+        "_target_": "featcal_fusionbench.evaluation.lm_eval_taskpool.LMEvalTaskPool", "include_path": str(tasks),
         "tokenizer": str(root / "base"), "batch_size": 4, "apply_chat_template": True,
         "tasks": {"tiny_sums": {"metric": "exact_match,none", "expert": "math"},
                   "tiny_text": {"metric": "bits_per_byte,none", "expert": "coding"}},

@@ -40,7 +40,7 @@ TARGETS = all_targets()
 
 def test_the_configs_name_targets():
     named = {"featcal_fusionbench.FeatCalAlgorithm", "featcal_fusionbench.SurgeryAlgorithm",
-             "featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool", "fusion_bench.method.TaskArithmeticAlgorithm"}
+             "featcal_fusionbench.evaluation.lm_eval_taskpool.LMEvalTaskPool", "fusion_bench.method.TaskArithmeticAlgorithm"}
     assert len(TARGETS) > 10 and named <= set(TARGETS)
 
 

@@ -8,7 +8,7 @@ from typing import List
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "featcal_fusionbench"
-LAYERS = ["core", "models", "families", "engine", "autoselect", "integration", "baselines"]
+LAYERS = ["core", "models", "evaluation", "families", "engine", "autoselect", "integration", "baselines"]
 
 
 def layer_of(module: str) -> int:
@@ -70,3 +70,25 @@ def test_the_rule_names_an_upward_import_and_a_private_one():
         "featcal_fusionbench.core.block_sums:1 imports featcal_fusionbench.engine.loop, a higher layer",
         "featcal_fusionbench.core.block_sums:2 imports private names ['_private'] of featcal_fusionbench.core.solver",
     ]
+
+
+def test_the_task_pools_former_paths_that_built_worlds_name_still_resolve():
+    """Worlds built before the task pools moved to ``evaluation`` name them by their former paths in their configs."""
+    from fusion_bench.utils.packages import import_object
+
+    from featcal_fusionbench.evaluation.clip_taskpool import LocalCLIPVisionModelTaskPool
+    from featcal_fusionbench.evaluation.lm_eval_taskpool import LMEvalTaskPool
+
+    assert import_object("featcal_fusionbench.integration.taskpool.LocalCLIPVisionModelTaskPool") is \
+        LocalCLIPVisionModelTaskPool
+    assert import_object("featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool") is LMEvalTaskPool
+
+
+def test_evaluation_knows_no_method():
+    """The task pools and scorers import nothing of FeatCal or the baselines: only the models layer below them."""
+    imported = set()
+    for path in (PACKAGE / "evaluation").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2 and node.module:
+                imported.add(node.module.split(".")[0])
+    assert imported <= {"models"}, imported

@@ -1,4 +1,4 @@
-"""Table 4's scorers on replies written the way Instruct models write them (featcal_fusionbench.integration.lm_eval_scoring)."""
+"""Table 4's scorers on replies written the way Instruct models write them (featcal_fusionbench.evaluation.lm_eval_scoring)."""
 
 import glob
 import os
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from featcal_fusionbench.integration.code_execution import run_program
-from featcal_fusionbench.integration.lm_eval_scoring import (
+from featcal_fusionbench.evaluation.code_execution import run_program
+from featcal_fusionbench.evaluation.lm_eval_scoring import (
     extract_code,
     humaneval_plus_process_results,
     last_boxed,

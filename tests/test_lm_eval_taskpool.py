@@ -10,7 +10,7 @@ import torch
 from fusion_bench.utils import instantiate
 from omegaconf import OmegaConf
 
-from featcal_fusionbench.integration.lm_eval_taskpool import LMEvalTaskPool, parse_tasks, task_scores
+from featcal_fusionbench.evaluation.lm_eval_taskpool import LMEvalTaskPool, parse_tasks, task_scores
 
 
 def tiny_taskpool(pool, **overrides):

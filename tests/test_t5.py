@@ -144,7 +144,7 @@ def test_norms_stay_merged_when_norm_calibration_is_off():
 
 
 def test_an_undefined_spearman_rho_is_named_in_the_average_not_averaged_as_nan():
-    from featcal_fusionbench.integration.text_taskpool import average_report
+    from featcal_fusionbench.evaluation.text_taskpool import average_report
 
     assert average_report({"glue-cola": 0.5, "glue-stsb": 0.25}) == {"score": 0.375}
     report = average_report({"glue-cola": 0.5, "glue-rte": 0.7, "glue-stsb": float("nan")})

@@ -7,7 +7,7 @@ import torch
 
 from featcal_fusionbench.baselines.modules import SurgeryModelWrapper
 from featcal_fusionbench.models.task_switch import LMHeadSurgery
-from featcal_fusionbench.integration.text_taskpool import active_task
+from featcal_fusionbench.evaluation.text_taskpool import active_task
 
 from helpers import tiny_t5
 from test_cli import fusion_bench

@@ -82,7 +82,7 @@ def build_toy_world(root: Path, seed: int = 0) -> Dict[str, str]:
         "test_datasets": {t: data[t, "test"] for t in TASKS},
     }
     taskpool = {
-        "_target_": "featcal_fusionbench.integration.taskpool.LocalCLIPVisionModelTaskPool",
+        "_target_": "featcal_fusionbench.evaluation.clip_taskpool.LocalCLIPVisionModelTaskPool",
         "_recursive_": False,
         "test_datasets": {t: data[t, "test"] for t in TASKS},
         "processor": str(pretrained),

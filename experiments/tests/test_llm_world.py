@@ -91,7 +91,7 @@ def test_world_json_and_configs(mini_world, monkeypatch):
     assert sorted(pool.model_names) == sorted(MINI.tasks) and pool.has_pretrained
     train = pool.load_train_dataset("math")
     assert train.column_names == ["prompt", "response"] and len(train) == MINI.sizes["train"]
-    assert taskpool_cfg._target_ == "featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool"
+    assert taskpool_cfg._target_ == "featcal_fusionbench.evaluation.lm_eval_taskpool.LMEvalTaskPool"
     assert dict(taskpool_cfg.tasks["llm_math"]) == {"metric": "exact_match,none", "expert": "math"}
     assert taskpool_cfg.confirm_run_unsafe_code and taskpool_cfg.apply_chat_template
     for name in taskpool_cfg.tasks:

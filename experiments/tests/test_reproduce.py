@@ -450,7 +450,7 @@ def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
     assert f"merged_model_path: {tmp_path.resolve()}/l14-20/adamerging/merged" in outputs[0]
     assert "base_model: openai/clip-vit-large-patch14" in outputs[0]
     assert "_pretrained_: ${.glue-cola}" in outputs[1]
-    assert "lambda_: 3.0" in outputs[2] and "_target_: featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool" in outputs[2]
+    assert "lambda_: 3.0" in outputs[2] and "_target_: featcal_fusionbench.evaluation.lm_eval_taskpool.LMEvalTaskPool" in outputs[2]
     assert not any(p.name != "outputs" for p in tmp_path.iterdir())  # nothing run, no run folder made
 
 

@@ -2,7 +2,9 @@
 
 The method (``algorithm``) and what it shares with the baselines (``post_merging``: the pool checks and the
 post-merging contract; ``upstream``: the merger it runs after; ``data``, ``text_data``, ``glue``: the calibration
-data), the task pools (``taskpool``, ``text_taskpool``, ``lm_eval_taskpool`` with ``lm_eval_tasks``,
-``lm_eval_scoring``, ``code_execution``, ``nltk_data``; ``openclip_pools``), the pools' names (``pool_names``), the
-hub (``hub_access``), version shims (``compat``) and the results table (``reporting``).
+data), the merged model read block by block and the run's fingerprint (``out_of_core``), which models are held whole
+(``memory``), FusionBench's OpenCLIP pools (``openclip_pools``), the pools' names (``pool_names``), the hub
+(``hub_access``), version shims (``compat``) and the results table (``reporting``). The task pools and their scorers
+are a layer of their own (``evaluation``); ``taskpool`` and ``lm_eval_taskpool`` here are their former paths, which
+worlds built earlier name in their configs.
 """

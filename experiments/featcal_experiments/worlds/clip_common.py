@@ -85,7 +85,7 @@ def write_fusion_bench_configs(
         "test_datasets": {t: entry(t, "test") for t in tasks},
     }
     taskpool = {
-        "_target_": "featcal_fusionbench.integration.taskpool.LocalCLIPVisionModelTaskPool",
+        "_target_": "featcal_fusionbench.evaluation.clip_taskpool.LocalCLIPVisionModelTaskPool",
         "_recursive_": False,
         "test_datasets": {t: entry(t, "test") for t in tasks},
         "processor": str(pretrained_dir),

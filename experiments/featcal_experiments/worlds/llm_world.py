@@ -99,7 +99,7 @@ def write_configs(root: Path, spec: LLMWorldSpec) -> Dict[str, str]:
 
     def taskpool(split):
         return {
-            "_target_": "featcal_fusionbench.integration.lm_eval_taskpool.LMEvalTaskPool",
+            "_target_": "featcal_fusionbench.evaluation.lm_eval_taskpool.LMEvalTaskPool",
             "tasks": {llm_eval.task_name(t, split): {"metric": llm_eval.metric_key(t), "expert": t} for t in spec.tasks},
             "include_path": str(root / "tasks"),
             "apply_chat_template": True,

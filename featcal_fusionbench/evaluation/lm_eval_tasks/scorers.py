@@ -1,7 +1,7 @@
 """What the task YAMLs of this folder name with ``!function scorers.<name>``."""
 
 # Absolute: lm-eval loads this file by its path, outside the package.
-from featcal_fusionbench.integration.lm_eval_scoring import (  # noqa: F401
+from featcal_fusionbench.evaluation.lm_eval_scoring import (  # noqa: F401
     humaneval_plus_process_results,
     math500_process_results,
     mbpp_plus_process_results,
