@@ -48,10 +48,12 @@ class HeldoutObjective:
         return sum(t.nbytes for t in tensors)
 
     def add_linear(self, gi, group, stats, expert_sites, hparams, with_bias=True) -> None:
+        """Held-out moments are added once: their Gram and each module's cross moment are scaled in place, since at
+        ``down_proj``'s width a scaled copy would be another 0.5 GiB beside every sum the choice keeps."""
         d = SCORE_DTYPE
         omega = task_weight(stats.gram, hparams.eps)
         mean_cal = stats.mean_cal.to(d)
-        add_into(self.gram, gi, omega * stats.gram.to(d))
+        add_into(self.gram, gi, stats.gram.to(d).mul_(omega))
         add_into(self.mean_cal, gi, omega * mean_cal)
         self.omega[gi] = self.omega.get(gi, 0.0) + omega
         for name in group.names:
@@ -64,7 +66,7 @@ class HeldoutObjective:
             if bias is not None:
                 cross, mean_out = cross + torch.outer(bias.to(d), mean_cal), mean_out + bias.to(d)
             self.group_of[name] = gi
-            add_into(self.cross, name, omega * cross)
+            add_into(self.cross, name, cross.mul_(omega))
             add_into(self.mean_out, name, omega * mean_out)
 
     def add_norm(self, name, stats, expert_site) -> None:
