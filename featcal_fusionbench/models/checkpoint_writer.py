@@ -155,9 +155,8 @@ class CheckpointWriter:
         shard = self.weight_map[names[0]] if names else None
         if shard is None:
             return
-        nbytes = os.path.getsize(self.temporary / shard)
-        self.blocks[str(index)] = {"shard": shard, "tensors": names, "bytes": sum(
-            t.numel() * t.element_size() for t in tensors.values()), "file_bytes": nbytes, "entry": dict(entry or {})}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.blocks[str(index)] = {"shard": shard, "tensors": names, "bytes": nbytes, "entry": dict(entry or {})}
         self._guard(self._save_progress)
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
