@@ -147,22 +147,19 @@ class CheckpointWriter:
 
     def write_block(self, index: int, tensors: Mapping[str, torch.Tensor], entry: Optional[Mapping] = None) -> None:
         """One block's shard, recorded (with its report ``entry``) as finished once it is on disk."""
-        before = set(self.weight_map)
-        self.write(tensors)
-        if self.fingerprint is None:
-            return
-        names = sorted(set(self.weight_map) - before)
-        shard = self.weight_map[names[0]] if names else None
-        if shard is None:
+        shard = self.write(tensors)
+        if self.fingerprint is None or shard is None:
             return
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.blocks[str(index)] = {"shard": shard, "tensors": names, "bytes": nbytes, "entry": dict(entry or {})}
+        self.blocks[str(index)] = {"shard": shard, "tensors": sorted(tensors), "bytes": nbytes,
+                                   "entry": dict(entry or {})}
         self._guard(self._save_progress)
 
-    def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """One shard holding ``tensors`` (moved to host memory; its names must be new)."""
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> Optional[str]:
+        """One shard holding ``tensors`` (moved to host memory; its names must be new); its file name (None when
+        there is nothing to write)."""
         if not tensors:
-            return
+            return None
         from safetensors.torch import save_file
 
         repeated = [name for name in tensors if name in self.weight_map]
@@ -173,6 +170,7 @@ class CheckpointWriter:
         self._guard(lambda: save_file(host, str(self.temporary / shard), metadata={"format": "pt"}))
         self.weight_map.update(dict.fromkeys(host, shard))
         self.total_bytes += sum(t.nbytes for t in host.values())
+        return shard
 
     def commit(self, save_extra: Optional[Callable[[Path], None]] = None) -> Path:
         """Write the index (and what ``save_extra`` writes into the folder: config, tokenizer), then rename the

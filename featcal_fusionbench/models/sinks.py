@@ -90,6 +90,7 @@ class CheckpointSink:
         self.barrier = barrier or (lambda: None)
         self.writer = CheckpointWriter(path, model_bytes(model), fingerprint=fingerprint, label=label) if writer else None
         self.path = path
+        self.prefixes = [module_prefix(model, block) for block in blocks]  # the blocks' names in the checkpoint
         self.resumed: Dict[int, Dict[str, Any]] = {}  # block index -> its recorded shard and report entry
 
     def __enter__(self) -> "CheckpointSink":
@@ -114,12 +115,12 @@ class CheckpointSink:
         from safetensors.torch import load_file
 
         tensors = load_file(str(partial_folder(self.path) / self.resumed[index]["shard"]))
-        cut = len(module_prefix(self.model, self.blocks[index])) + 1
+        cut = len(self.prefixes[index]) + 1
         return {"state": {key[cut:]: value for key, value in tensors.items()}, "entry": self.resumed[index]["entry"]}
 
     def block(self, index: int, block: nn.Module, entry: Optional[Mapping[str, Any]] = None) -> None:
         if self.writer is not None and index not in self.resumed:
-            prefix = module_prefix(self.model, block)
+            prefix = self.prefixes[index]
             tensors: Dict[str, torch.Tensor] = {f"{prefix}.{k}": v for k, v in block.state_dict().items()}
             self.writer.write_block(index, tensors, entry)
         self.barrier()
