@@ -108,6 +108,38 @@ def test_last_block_patch_weight_changes_q_but_not_k_v():
     torch.testing.assert_close(block(uniform, 1).mlp.fc1.weight, block(demo, 1).mlp.fc1.weight)
 
 
+def test_patch_token_weights_are_made_in_the_moments_dtype():
+    from featcal_fusionbench.families.clip_vision import CLS_WEIGHTED
+
+    family = CLIPVisionFamily(last_block_patch_token_weight=0.01)
+    hidden = torch.zeros(2, 5, 4)
+    for dtype in (torch.float32, torch.float64):
+        weights = family.token_weights(CLS_WEIGHTED, hidden, None, dtype)
+        expected = torch.full((2, 5), 0.01, dtype=dtype)
+        expected[:, 0] = 1.0
+        assert weights.dtype == dtype and torch.equal(weights, expected)  # float64: 0.01, not float32's 0.0099999998
+
+
+def test_norm_right_hand_sides_are_built_in_float64_from_float32_moments():
+    from types import SimpleNamespace
+
+    from featcal_fusionbench.core.moments import NormInputStats
+
+    g = torch.Generator().manual_seed(0)
+    sums, reference = BlockSums(), {}
+    for _ in range(3):  # tasks: the sums over them are float64 too
+        stats = NormInputStats(mean=torch.randn(16, generator=g) * 30, second_moment=torch.rand(16, generator=g) * 900)
+        site = SimpleNamespace(weight=torch.randn(16, generator=g), bias=torch.randn(16, generator=g))
+        sums.add_norm("ln", stats, site)
+        q, z = stats.second_moment.double(), stats.mean.double()
+        gamma, beta = site.weight.double(), site.bias.double()
+        for key, value in {"q": q, "z": z, "r_gamma": q * gamma + z * beta, "r_beta": z * gamma + beta}.items():
+            reference[key] = reference[key] + value if key in reference else value
+    for key, value in reference.items():
+        assert sums.norm["ln"][key].dtype == torch.float64, key
+        torch.testing.assert_close(sums.norm["ln"][key], value, rtol=0, atol=0, msg=key)
+
+
 def test_statistics_memory_does_not_grow_with_the_number_of_examples():
     sizes = []
     for batches in (1, 4):

@@ -154,7 +154,7 @@ class BlockStep:
 
         def weights(profile):
             if profile not in weights_cache:
-                weights_cache[profile] = family.token_weights(profile, hidden, meta)
+                weights_cache[profile] = family.token_weights(profile, hidden, meta, dtype)
             return weights_cache[profile]
 
         for gi, group in enumerate(self.groups):

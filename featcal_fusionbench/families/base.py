@@ -167,8 +167,8 @@ class ModelFamily(ABC):
         one set of moments."""
         return UNIFORM
 
-    def token_weights(self, profile: Hashable, hidden: Tensor, meta: Any) -> Optional[Tensor]:
-        """Per-token weights of shape hidden.shape[:-1]; None means all ones."""
+    def token_weights(self, profile: Hashable, hidden: Tensor, meta: Any, dtype: torch.dtype) -> Optional[Tensor]:
+        """Per-token weights of shape hidden.shape[:-1] in ``dtype`` (the moments'); None means all ones."""
         return None
 
     def valid_token_mask(self, meta: Any, hidden: Tensor) -> Optional[Tensor]:

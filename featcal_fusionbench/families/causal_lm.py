@@ -263,8 +263,8 @@ class CausalLMFamily(ModelFamily):
     def weight_profile(self, block_index: int, num_blocks: int, site_name: str) -> Hashable:
         return COUNTED_TOKENS
 
-    def token_weights(self, profile, hidden, meta: CausalLMState) -> Optional[Tensor]:
-        return meta.token_mask.to(torch.float32)
+    def token_weights(self, profile, hidden, meta: CausalLMState, dtype) -> Optional[Tensor]:
+        return meta.token_mask.to(dtype)
 
     def valid_token_mask(self, meta: CausalLMState, hidden: Tensor) -> Optional[Tensor]:
         return meta.attention_mask.bool()

@@ -99,10 +99,11 @@ class LastBlockPatchWeighting:
         """The axis of hidden states that counts tokens (the CLS token is its first)."""
         return 1
 
-    def token_weights(self, profile, hidden, meta) -> Optional[Tensor]:
+    def token_weights(self, profile, hidden, meta, dtype) -> Optional[Tensor]:
         if profile == UNIFORM:
             return None
-        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, device=hidden.device)
+        # In the moments' dtype: a float32 0.01 is 0.0099999998 to float64 moments.
+        weights = torch.full(hidden.shape[:-1], self.last_block_patch_token_weight, dtype=dtype, device=hidden.device)
         weights.select(self.token_axis(meta), 0).fill_(1.0)
         return weights
 

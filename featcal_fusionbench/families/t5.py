@@ -166,9 +166,9 @@ class T5Family(ModelFamily):
     def weight_profile(self, block_index: int, num_blocks: int, module_name: str) -> Hashable:
         return ENCODER_TOKENS if module_name in _CROSS_KV else STREAM_TOKENS
 
-    def token_weights(self, profile, hidden, meta: T5StreamState) -> Optional[Tensor]:
+    def token_weights(self, profile, hidden, meta: T5StreamState, dtype) -> Optional[Tensor]:
         mask = meta.encoder_mask if profile == ENCODER_TOKENS else meta.token_mask
-        return mask.to(torch.float32)
+        return mask.to(dtype)
 
     def valid_token_mask(self, meta: T5StreamState, hidden: Tensor) -> Optional[Tensor]:
         return meta.token_mask
