@@ -240,7 +240,7 @@ def test_a_well_formed_id_that_does_not_exist_says_so_before_any_download(hub, t
 TABLE4 = ("fusion_bench method=featcal/mergebench_llama3.2_3b_ta method.return_upstream=true "
           "modelpool=CausalLMPool/mergebench_table4/Llama-3.2-3B-Instruct taskpool=LMEvalHarnessTaskPool/mergebench_table4")
 TABLE4_TASKS = ["math500_boxed", "gsm8k_cot", "evalplus_humaneval_chat", "evalplus_mbpp_chat", "ifeval",
-                "arc_challenge_chat"]
+                "arc_challenge_chat_lines"]
 TINY_LLM = ["method.num_calibration_examples=2", "taskpool.limit=2", "+taskpool.gen_kwargs={max_gen_toks:16}"]
 
 

@@ -130,5 +130,32 @@ def test_table_4s_task_pool_names_lm_eval_tasks_for_the_papers_columns():
     taskpool = instantiate(OmegaConf.load(path))
     assert [(t, s["expert"]) for t, s in taskpool.tasks.items()] == [
         ("math500_boxed", "math"), ("gsm8k_cot", "math"), ("evalplus_humaneval_chat", "coding"),
-        ("evalplus_mbpp_chat", "coding"), ("ifeval", "instruction"), ("arc_challenge_chat", None)]
+        ("evalplus_mbpp_chat", "coding"), ("ifeval", "instruction"), ("arc_challenge_chat_lines", None)]
     assert all(s["metric"] for s in taskpool.tasks.values()) and taskpool.confirm_run_unsafe_code
+
+
+def test_arc_c_prompt_breaks_lines_where_lm_evals_arc_challenge_chat_writes_backslash_n():
+    """Our ARC-C task is lm-eval's arc_challenge_chat with its single-quoted prompt (literal backslash-n) written
+    with line breaks; every other field is lm-eval's."""
+    from pathlib import Path
+
+    import lm_eval
+    import yaml
+    from lm_eval.utils import apply_template
+
+    from featcal_fusionbench.evaluation.lm_eval_tasks import TASKS_DIR
+
+    ours = yaml.safe_load((Path(TASKS_DIR) / "arc_challenge_chat_lines.yaml").read_text())
+    theirs = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks/arc/arc_challenge_chat.yaml").read_text())
+    assert {k for k in theirs if theirs[k] != ours.get(k)} == {"tag", "task", "doc_to_text"} and set(ours) <= set(theirs)
+    doc = {"question": " Which is a mammal? ", "choices": {"text": ["shark", "whale", "trout", "eel"],
+                                                         "label": ["1", "2", "3", "4"]}, "answerKey": "2"}
+    assert "\\n" in apply_template(theirs["doc_to_text"], doc)
+    prompt = apply_template(ours["doc_to_text"], doc)
+    assert "\\" not in prompt
+    assert prompt.splitlines() == [
+        "Given the following question and four candidate answers (A, B, C and D), choose the best answer.",
+        "Question: Which is a mammal?", "A. shark", "B. whale", "C. trout", "D. eel",
+        'Your response should end with "The best answer is [the_answer_letter]" where the [the_answer_letter] is one '
+        "of A, B, C or D."]
+    assert apply_template(ours["doc_to_target"], doc) == "B"

@@ -36,7 +36,7 @@ LABELS = {
     "20-Task L/14": "l14-20",
     # Table 4: the lm-eval task that stands for each column (config/taskpool/LMEvalHarnessTaskPool/mergebench_table4.yaml)
     "MATH-500": "math500_boxed", "GSM8K": "gsm8k_cot", "HumanEval+": "evalplus_humaneval_chat", "MBPP+": "evalplus_mbpp_chat",
-    "IFEval": "ifeval", "ARC-C": "arc_challenge_chat",
+    "IFEval": "ifeval", "ARC-C": "arc_challenge_chat_lines",
 }
 METHODS = {
     "Pre-trained": "pretrained", "Base": "pretrained", "Fine-tuned (STL)": "finetuned", "Traditional MTL": "mtl",

@@ -639,7 +639,7 @@ def test_table_4s_fine_tuned_row_takes_each_column_from_its_domains_expert_and_a
         "llama3.2-3b/finetuned/math": ("math500_boxed", "gsm8k_cot"),
         "llama3.2-3b/finetuned/coding": ("evalplus_humaneval_chat", "evalplus_mbpp_chat"),
         "llama3.2-3b/finetuned/instruction": ("ifeval",),
-        "llama3.2-3b/pretrained": ("arc_challenge_chat",),
+        "llama3.2-3b/pretrained": ("arc_challenge_chat_lines",),
     }
     for run in row.runs:
         write_result(catalog, run, lm_eval_report({c: paper[c] for c in run.provides}))

@@ -55,7 +55,7 @@ GLUE = tuple(f"glue-{t}" for t in ("cola", "mnli", "mrpc", "qnli", "qqp", "rte",
 # Table 4's columns as lm-eval tasks, each with the MergeBench expert of its domain (None: no expert; the paper's
 # fine-tuned row prints the base there), as config/taskpool/LMEvalHarnessTaskPool/mergebench_table4.yaml names them
 MERGEBENCH_EXPERTS = {"math500_boxed": "math", "gsm8k_cot": "math", "evalplus_humaneval_chat": "coding",
-                      "evalplus_mbpp_chat": "coding", "ifeval": "instruction", "arc_challenge_chat": None}
+                      "evalplus_mbpp_chat": "coding", "ifeval": "instruction", "arc_challenge_chat_lines": None}
 
 # FusionBench's own upstream merger configs, with the values the paper's recipes use written out.
 UPSTREAM_METHODS = {
