@@ -264,13 +264,33 @@ def test_table4_readme_command_with_a_token(hub, tmp_path):
 
 
 def test_table4_without_a_token_names_the_gated_base_before_any_download(hub, tmp_path):
+    """As on the hub, the gated base's info is public (the mirror answers it with "gated": "manual"); its files and
+    /auth-check are refused, and the run stops there, before it fetches anything, with our message."""
     since = len(hub.log)
     run = fusion_bench(hub, tmp_path, TABLE4, *TINY_LLM, ok=False)
     message = " ".join(run.stderr.split())
     assert ("modelpool.models._pretrained_: 'meta-llama/Llama-3.2-3B-Instruct' is a gated model on the Hugging Face "
             "hub") in message, run.stderr[-3000:]
     assert "huggingface-cli login" in message
-    assert not [r for r in hub.log[since:] if r.method == "GET" and "/resolve/" in r.path]
+    asked = hub.log[since:]
+    assert any(r.path == "/api/models/meta-llama/Llama-3.2-3B-Instruct" and r.status == 200 for r in asked)
+    assert any(r.path.endswith("/auth-check") and r.status == 401 for r in asked)
+    assert not [r for r in asked if r.method == "GET" and "/resolve/" in r.path]
+
+
+def test_table4_with_mergebench_code_protocol(hub, tmp_path):
+    """HumanEval+ and MBPP+ as MergeBench's bigcode runs score them: 10 sampled completions of the bare prompt."""
+    command = TABLE4.replace(" method.return_upstream=true", "").replace(
+        "LMEvalHarnessTaskPool/mergebench_table4", "LMEvalHarnessTaskPool/mergebench_table4_bigcode")
+    report = fusion_bench(hub, tmp_path, command, "method.num_calibration_examples=2", "taskpool.limit=1",
+                          "+taskpool.gen_kwargs={max_gen_toks:16}", token=TOKEN)
+    assert list(report)[:6] == ["math500_boxed", "gsm8k_cot", "ifeval", "arc_challenge_chat_lines",
+                                "humanevalplus_bigcode", "mbppplus_bigcode"]
+    for task in ("humanevalplus_bigcode", "mbppplus_bigcode"):
+        assert 0.0 <= report[task]["score"] <= report[task]["pass@10,all_samples"] <= 1.0 and report[task]["sample_len"] == 1.0
+    results = json.loads(next(tmp_path.glob("outputs/**/lm_eval_results/humanevalplus_bigcode.json")).read_text())
+    assert results["configs"]["humanevalplus_bigcode"]["repeats"] == 10
+    assert results["configs"]["humanevalplus_bigcode"]["generation_kwargs"]["temperature"] == 0.2
 
 
 def test_the_sources_checked_are_every_hub_id_a_run_names():

@@ -1,7 +1,5 @@
 """Table 4's scorers on replies written the way Instruct models write them (featcal_fusionbench.evaluation.lm_eval_scoring)."""
 
-import glob
-import os
 import tempfile
 import time
 
@@ -9,7 +7,6 @@ import pytest
 
 from featcal_fusionbench.evaluation.code_execution import run_program
 from featcal_fusionbench.evaluation.lm_eval_scoring import (
-    extract_code,
     humaneval_plus_process_results,
     last_boxed,
     math500_process_results,
@@ -28,7 +25,7 @@ HUMANEVAL_DOC = {
             "    results = [2.0, 2.0, 0.2]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
             "        assertion(candidate(*inp), exp, 0)\n",
 }
-# EvalPlus's MBPP+ form (tools/mbpp/to_original_fmt.py): module-level code that calls `candidate`
+# EvalPlus's MBPP+ form (tools/mbpp/to_original_fmt.py at 26d6d00): module-level code that calls the function by name
 MBPP_DOC = {
     "task_id": 2,
     "prompt": "Write a function to find the shared elements from the given two lists.",
@@ -38,8 +35,10 @@ MBPP_DOC = {
                   "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))"],
     "test": _ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2), (2, 9)], [(7,), (8,)]]\n"
             "results = [{4, 5}, {2}, set()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
-            "    assertion(set(candidate(*inp)), exp, 0)\n",
+            "    assertion(set(similar_elements(*inp)), exp, 0)\n",
 }
+# the generator's earlier form (at 0b180c8) called it `candidate`
+MBPP_DOC_CANDIDATE = {**MBPP_DOC, "test": MBPP_DOC["test"].replace("similar_elements(*inp)", "candidate(*inp)")}
 
 
 def humaneval(reply):
@@ -80,19 +79,21 @@ def test_last_boxed_balances_braces_and_knows_fbox():
 RIGHT_FUNCTION = "def mean_of(numbers: list) -> float:\n    return sum(numbers) / len(numbers)\n"
 
 
-def test_a_fenced_python_block_is_taken_from_prose():
-    reply = f"Here is the function:\n\n```python\n{RIGHT_FUNCTION}```\n\nIt divides the sum by the count."
-    assert extract_code(reply) == RIGHT_FUNCTION
-    assert extract_code(f"```\n{RIGHT_FUNCTION}```") == RIGHT_FUNCTION  # a block without a language
-    assert extract_code(f"```text\nno\n```\n```python\n{RIGHT_FUNCTION}```") == RIGHT_FUNCTION  # python first
-    assert extract_code(RIGHT_FUNCTION) == RIGHT_FUNCTION  # no block: the reply itself
-    assert extract_code(f"```python\n{RIGHT_FUNCTION}") == RIGHT_FUNCTION  # cut before the closing fence
+SELF_TEST = "\n\nif __name__ == '__main__':\n    assert mean_of([1.0, 3.0]) == 3.0, 'my own check'\n"
 
 
 @pytest.mark.parametrize("reply, score", [
     (f"Sure! Here is a self-contained script:\n```python\n{RIGHT_FUNCTION}```\nThis works for any list.", 1.0),
+    # example usage printed, a wrong self-test under __main__: dropped by the sanitizer, as EvalPlus drops them
     (f"```python\nfrom statistics import fmean\n\n{RIGHT_FUNCTION}\nprint(mean_of([1.0, 3.0]))\n```", 1.0),
-    ("```python\n    return sum(numbers) / len(numbers)\n```", 1.0),  # the body only: completed from the prompt
+    (f"```python\n{RIGHT_FUNCTION}{SELF_TEST}```", 1.0),
+    # several blocks: the function in the first, its usage (with a loop that never ends) in a second
+    (f"Solution:\n```python\n{RIGHT_FUNCTION}```\n\nUsage:\n```python\nwhile True:\n    mean_of([1.0])\n```", 1.0),
+    # a helper the entry point calls is kept; a helper it does not call may be broken
+    ("```python\ndef _total(xs):\n    return sum(xs)\n\ndef mean_of(numbers):\n    return _total(numbers) / len(numbers)"
+     "\n\ndef unused():\n    return undefined_name\n```", 1.0),
+    ("```python\ndef mean_of(numbers):\n    while True:\n        pass\n```", 0.0),  # loops: stopped, scores 0
+    ("```python\n    return sum(numbers) / len(numbers)\n```", 0.0),  # the body only: no definition, as in EvalPlus
     ("```python\ndef mean_of(numbers):\n    return sum(numbers) / (len(numbers) + 1)\n```", 0.0),  # wrong
     ("The mean is the sum divided by the count.", 0.0),  # prose, no code
     ("```python\ndef mean_of(numbers):\n    return numbers[0]\n```", 0.0),  # passes the docstring, fails plus inputs
@@ -101,14 +102,27 @@ def test_humaneval_plus_scores_a_chat_reply_with_evalplus_tests(reply, score):
     assert humaneval(reply) == score
 
 
+def test_a_reply_continuing_evalplus_response_prefix_is_scored_as_written():
+    """With the task's gen_prefix the reply starts inside the ```python fence and stops at EvalPlus's stop strings."""
+    assert humaneval(RIGHT_FUNCTION.replace("    ", "\t")) == 1.0  # tabs read as four spaces, as EvalPlus does
+
+
 @pytest.mark.parametrize("reply, score", [
     ("```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```", 1.0),
     ("Here you go:\n```python\ndef similar_elements(a, b):\n    return tuple(x for x in a if x in b)\n```", 1.0),
+    ("```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n\nassert similar_elements((1,), (2,)) == (1,)"
+     "\n```", 1.0),  # a failing example assert of its own decides nothing
     ("```python\ndef similar_elements(a, b):\n    return tuple(set(a) | set(b))\n```", 0.0),
     ("```python\ndef shared(a, b):\n    return tuple(set(a) & set(b))\n```", 0.0),  # another name: not the tested one
 ])
 def test_mbpp_plus_scores_a_chat_reply_with_evalplus_tests(reply, score):
     assert mbpp(reply) == score
+
+
+def test_mbpp_plus_rows_that_call_the_function_candidate_score_alike():
+    reply = "```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```"
+    assert mbpp_plus_process_results(MBPP_DOC_CANDIDATE, [reply]) == {"pass@1": 1.0}
+    assert mbpp_plus_process_results(MBPP_DOC_CANDIDATE, [reply.replace("&", "|")]) == {"pass@1": 0.0}
 
 
 def test_mbpp_plus_tests_the_function_its_first_assert_calls():
@@ -124,22 +138,57 @@ def test_a_looping_program_is_stopped_and_scores_zero():
     assert not run_program(spawner, timeout_s=1).passed
 
 
-def test_a_file_writing_program_is_refused_and_leaves_nothing(tmp_path):
-    target = tmp_path / "written.txt"
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "*")))
-    for program in (f"open({str(target)!r}, 'w').write('x')\n",
+def test_a_file_writing_program_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    target, scratch = tmp_path / "target", tmp_path / "scratch"
+    target.mkdir()
+    scratch.mkdir()
+    # the sandbox's own folders go under a temporary folder of this test only (other tests run programs meanwhile)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    for program in (f"open({str(target / 'written.txt')!r}, 'w').write('x')\n",
                     "open('local.txt', 'w').write('x')\n",
-                    f"import os\nos.makedirs({str(tmp_path / 'made')!r})\n",
-                    f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n",
+                    f"import os\nos.makedirs({str(target / 'made')!r})\n",
+                    f"import shutil\nshutil.rmtree({str(target)!r})\n",
                     "import subprocess\nsubprocess.run(['touch', 'x'])\n"):
         result = run_program(program, timeout_s=10)
         assert result.status == "failed" and "sandbox refuses" in result.output, (program, result)
-    assert list(tmp_path.iterdir()) == []  # nothing written, nothing removed
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "*"))) <= before  # its own folder is gone
+    assert list(target.iterdir()) == []  # nothing written, nothing removed
+    assert list(scratch.iterdir()) == []  # its own folder is gone
 
 
 def test_a_reply_that_writes_files_scores_zero_and_leaves_nothing(tmp_path):
     target = tmp_path / "out.txt"
-    reply = f"```python\nopen({str(target)!r}, 'w').write('x')\n{RIGHT_FUNCTION}```"
+    writer = f"def mean_of(numbers):\n    open({str(target)!r}, 'w').write('x')\n    return sum(numbers) / len(numbers)\n"
+    reply = f"```python\n{writer}```"
     assert humaneval(reply) == 0.0
     assert not target.exists()
+
+
+# ------------------------------------------------------------------------- MergeBench's code protocol (bigcode)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from math import comb
+
+    from featcal_fusionbench.evaluation.lm_eval_scoring import pass_at_k
+
+    for n, c, k in [(10, 0, 1), (10, 3, 1), (10, 3, 10), (10, 10, 1), (10, 9, 10), (20, 5, 10)]:
+        expected = 1.0 - comb(n - c, k) / comb(n, k)
+        assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+
+
+def test_bigcode_completions_are_the_prompt_plus_each_sample_scored_over_all_samples():
+    from featcal_fusionbench.evaluation.lm_eval_scoring import (
+        bigcode_humaneval_prompt,
+        humanevalplus_bigcode_process_results,
+        mbppplus_bigcode_process_results,
+    )
+
+    assert bigcode_humaneval_prompt(HUMANEVAL_DOC) == HUMANEVAL_DOC["prompt"].strip()
+    right, wrong = "\n    return sum(numbers) / len(numbers)", "\n    return numbers[0]"
+    # lm-eval's take_first_k filter hands the doc's samples as one list; bigcode appends them to the prompt
+    scores = humanevalplus_bigcode_process_results(HUMANEVAL_DOC, [[right] * 3 + [wrong] * 7])
+    assert scores["pass@1"] == pytest.approx(0.3) and scores["pass@10"] == 1.0
+    assert humanevalplus_bigcode_process_results(HUMANEVAL_DOC, [[wrong] * 10]) == {"pass@1": 0.0, "pass@10": 0.0}
+    mbpp_right = "def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n"
+    scores = mbppplus_bigcode_process_results(MBPP_DOC, [[mbpp_right, mbpp_right.replace("&", "|")]])
+    assert scores == {"pass@1": 0.5}  # two samples: pass@10 is not estimated

@@ -159,3 +159,26 @@ def test_arc_c_prompt_breaks_lines_where_lm_evals_arc_challenge_chat_writes_back
         'Your response should end with "The best answer is [the_answer_letter]" where the [the_answer_letter] is one '
         "of A, B, C or D."]
     assert apply_template(ours["doc_to_target"], doc) == "B"
+
+
+def test_mergebench_code_protocol_pool_swaps_the_code_tasks_and_keeps_the_others():
+    """The bigcode variant composes Table 4's pool, leaves out the chat code tasks (`false`) and adds MergeBench's."""
+    import fusion_bench_config
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
+        cfg = compose("fabric_model_fusion", overrides=["taskpool=LMEvalHarnessTaskPool/mergebench_table4_bigcode"])
+    GlobalHydra.instance().clear()
+    taskpool = instantiate(cfg.taskpool)
+    assert [(t, s["expert"], s["apply_chat_template"]) for t, s in taskpool.tasks.items()] == [
+        ("math500_boxed", "math", None), ("gsm8k_cot", "math", False), ("ifeval", "instruction", False),
+        ("arc_challenge_chat_lines", None, None), ("humanevalplus_bigcode", "coding", False),
+        ("mbppplus_bigcode", "coding", False)]
+
+
+def test_a_task_set_to_false_is_left_out_and_leaving_out_every_task_is_refused():
+    assert list(parse_tasks({"a": {"metric": "m,f"}, "b": False})) == ["a"]
+    with pytest.raises(ValueError, match="leaves out every task"):
+        parse_tasks({"a": False})

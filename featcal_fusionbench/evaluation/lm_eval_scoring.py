@@ -7,17 +7,19 @@ original MBPP asserts, not EvalPlus's tests. The scorers here read what an Instr
 
 - MATH-500: the last ``\\boxed{...}`` of the reply (braces balanced), equal to the dataset's ``answer`` after the
   normalisation of lm-eval's Hendrycks MATH scorer (``lm_eval.tasks.hendrycks_math.utils.is_equiv``).
-- HumanEval+ / MBPP+: the program in the reply's first fenced code block (```` ```python ```` first, else any; the
-  whole reply when it has none), run with EvalPlus's tests (the ``test`` field of ``evalplus/humanevalplus`` and
-  ``evalplus/mbppplus``) in a sandboxed process (``code_execution``): pass@1 of one greedy sample.
+- HumanEval+ / MBPP+: the reply sanitized as EvalPlus sanitizes it (``code_sanitize``: its imports and the
+  definitions the entry point reaches), run with EvalPlus's tests (the ``test`` field of ``evalplus/humanevalplus``
+  and ``evalplus/mbppplus``) in a sandboxed process (``code_execution``): pass@1 of one greedy sample.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
-from .code_execution import run_program
+from .code_execution import run_program, run_programs
+from .code_sanitize import sanitize
 
 # Each program's wall-clock limit: EvalPlus's tests run hundreds of inputs, a few seconds on a CPU.
 CODE_TIMEOUT_S = 20.0
@@ -59,30 +61,18 @@ def math500_process_results(doc: Dict, results: List[str]) -> Dict[str, int]:
 
 # ----------------------------------------------------------------------------------------------------- code tasks
 
-_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
-
-
-def extract_code(response: str) -> str:
-    """The reply's first ```` ```python ```` block, else its first fenced block of any language, else the reply."""
-    blocks = _FENCE.findall(response)
-    for language, body in blocks:
-        if language.lower() in ("python", "py", "python3"):
-            return body
-    return blocks[0][1] if blocks else response
-
-
-def _defines(code: str, name: str) -> bool:
-    return re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", code, re.M) is not None
+def _solution(response: str, entry_point: str) -> str:
+    """The reply as EvalPlus scores a chat model's: tabs as four spaces (its HF provider's decoding), then sanitized
+    to the imports and the definitions ``entry_point`` reaches (``code_sanitize``): prose, other blocks, example
+    prints and a ``__main__`` self-test decide nothing. A reply without the entry point's definition fails, as in
+    EvalPlus (a chat reply is scored as written, not appended to the prompt)."""
+    return sanitize(response.replace("\t", "    "), entrypoint=entry_point)
 
 
 def humaneval_program(doc: Dict, response: str) -> str:
-    """The reply's function with EvalPlus's ``check(candidate)``; a reply that gives only the body is completed from
-    the prompt (the signature and docstring)."""
-    code = extract_code(response)
+    """The sanitized reply with EvalPlus's ``check(candidate)`` on the entry point."""
     entry = doc["entry_point"]
-    if not _defines(code, entry):
-        code = doc["prompt"] + code
-    return f"{code}\n\n{doc['test']}\n\ncheck({entry})\n"
+    return f"{_solution(response, entry)}\n\n{doc['test']}\n\ncheck({entry})\n"
 
 
 def mbpp_entry_point(doc: Dict) -> str:
@@ -98,13 +88,59 @@ def mbpp_entry_point(doc: Dict) -> str:
 
 
 def mbpp_program(doc: Dict, response: str) -> str:
-    """The reply's code with EvalPlus's MBPP+ test, which calls the tested function as ``candidate``."""
-    code = extract_code(response)
-    return f"{code}\n\ncandidate = {mbpp_entry_point(doc)}\n\n{doc['test']}\n"
+    """The sanitized reply with EvalPlus's MBPP+ test. Today's rows call the tested function by its name
+    (evalplus tools/mbpp/to_original_fmt.py at 26d6d00: ``assertion({entry_point}(*inp), exp, atol)``); the
+    generator before it (at 0b180c8) called it ``candidate``, which the alias keeps working."""
+    entry = mbpp_entry_point(doc)
+    return f"{_solution(response, entry)}\n\ncandidate = {entry}\n\n{doc['test']}\n"
 
 
 def _passed(program: str) -> Dict[str, float]:
     return {"pass@1": float(run_program(program, CODE_TIMEOUT_S).passed)}
+
+
+# ---- MergeBench's protocol: bigcode-evaluation-harness completions, several samples ----------------------------
+
+BIGCODE_HUMANEVAL_TIMEOUT_S, BIGCODE_MBPP_TIMEOUT_S = 20.0, 10.0  # humanevalplus.py / mbppplus.py at 8fc5bae6
+
+
+def pass_at_k(samples: int, correct: int, k: int) -> float:
+    """The unbiased estimator of pass@k from ``samples`` programs of which ``correct`` pass (Chen et al. 2021,
+    as bigcode_eval/tasks/custom_metrics/code_eval.py ``estimate_pass_at_k`` computes it)."""
+    if samples - correct < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / n for n in range(samples - correct + 1, samples + 1))
+
+
+def _samples(results: List) -> List[str]:
+    # with the take_first_k filter lm-eval hands the doc's samples as one list
+    return list(results[0]) if results and isinstance(results[0], (list, tuple)) else list(results)
+
+
+def _pass_at(programs: Sequence[str], timeout_s: float) -> Dict[str, float]:
+    correct = sum(r.passed for r in run_programs(programs, timeout_s))
+    return {f"pass@{k}": pass_at_k(len(programs), correct, k) for k in (1, 10) if k <= len(programs)}
+
+
+def bigcode_humaneval_prompt(doc: Dict) -> str:
+    return doc["prompt"].strip()
+
+
+def bigcode_mbpp_prompt(doc: Dict) -> str:
+    return f'"""\n{doc["prompt"]}\n{doc["test_list"][0]}\n"""\n'
+
+
+def humanevalplus_bigcode_process_results(doc: Dict, results: List) -> Dict[str, float]:
+    prompt, reference = bigcode_humaneval_prompt(doc), f"\n{doc['test']}\ncheck({doc['entry_point']})"
+    return _pass_at([prompt + sample + reference for sample in _samples(results)], BIGCODE_HUMANEVAL_TIMEOUT_S)
+
+
+def mbppplus_bigcode_process_results(doc: Dict, results: List) -> Dict[str, float]:
+    prompt, reference = bigcode_mbpp_prompt(doc), f"\n{doc['test']}"
+    return _pass_at([prompt + sample + reference for sample in _samples(results)], BIGCODE_MBPP_TIMEOUT_S)
+
+
+# ---- the chat protocol: EvalPlus's ------------------------------------------------------------------------------
 
 
 def humaneval_plus_process_results(doc: Dict, results: List[str]) -> Dict[str, float]:
@@ -116,6 +152,7 @@ def mbpp_plus_process_results(doc: Dict, results: List[str]) -> Dict[str, float]
 
 
 __all__ = [
-    "extract_code", "humaneval_plus_process_results", "humaneval_program", "last_boxed", "math500_process_results",
-    "math_answer_correct", "mbpp_entry_point", "mbpp_plus_process_results", "mbpp_program",
+    "bigcode_humaneval_prompt", "bigcode_mbpp_prompt", "humaneval_plus_process_results", "humaneval_program",
+    "humanevalplus_bigcode_process_results", "last_boxed", "math500_process_results", "math_answer_correct",
+    "mbpp_entry_point", "mbpp_plus_process_results", "mbpp_program", "mbppplus_bigcode_process_results", "pass_at_k",
 ]

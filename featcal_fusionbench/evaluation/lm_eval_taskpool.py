@@ -44,7 +44,8 @@ def require_lm_eval():
 
 def parse_tasks(tasks) -> Dict[str, Dict[str, Optional[str]]]:
     """``tasks`` as ``{task: {"metric": ..., "expert": ...}}``. A list names tasks without a chosen metric: every
-    metric is reported and no average is formed."""
+    metric is reported and no average is formed. A task mapped to ``false`` is left out (a config composed from
+    another drops one of its tasks so)."""
     if isinstance(tasks, (DictConfig, ListConfig)):
         tasks = OmegaConf.to_container(tasks, resolve=True)
     if isinstance(tasks, str):
@@ -56,6 +57,8 @@ def parse_tasks(tasks) -> Dict[str, Dict[str, Optional[str]]]:
                          f"{{metric, expert}}, got {tasks!r}")
     parsed = {}
     for name, spec in tasks.items():
+        if spec is False:  # a config that composes another one leaves out a task it inherits
+            continue
         spec = dict(spec or {})
         unknown = set(spec) - {"metric", "expert", "apply_chat_template"}
         if unknown:
@@ -69,6 +72,8 @@ def parse_tasks(tasks) -> Dict[str, Dict[str, Optional[str]]]:
         # `apply_chat_template` null: the pool's setting.
         parsed[str(name)] = {"metric": spec.get("metric"), "expert": spec.get("expert", str(name)),
                              "apply_chat_template": chat}
+    if not parsed:
+        raise ValueError(f"tasks leaves out every task it names: {sorted(tasks)}")
     return parsed
 
 
@@ -80,7 +85,8 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
             key of lm-eval's results that scores the task (``"<metric>,<filter>"``) and enters the ``average``;
             ``expert`` the pool model whose per-task map a Surgery / ProbSurgery model applies on that task (default:
             the task's name; ``null``: none, the merged model unchanged, as for a task that no expert was trained
-            for); ``apply_chat_template`` the task's own setting (default: the pool's).
+            for); ``apply_chat_template`` the task's own setting (default: the pool's); ``false`` instead of a
+            mapping leaves an inherited task out.
         include_path: a folder of task YAMLs (local tasks over local files).
         tokenizer: path, hub name or ``_target_`` config; default: the model pool's tokenizer in a FusionBench run
             (a merged model saved without one, read back by ``method.merged_model_path``, has none of its own),

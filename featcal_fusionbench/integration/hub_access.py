@@ -111,7 +111,8 @@ def pool_sources(modelpool, calibration_datasets: Optional[Mapping] = None,
 
 
 def check_hub_access(sources) -> None:
-    """One ``repo_info`` per distinct repository; the first missing or gated one fails the run, named."""
+    """One ``repo_info`` per distinct repository (and an ``auth_check`` for a gated one); the first missing one, or
+    gated one this machine's token may not read, fails the run, named."""
     if constants.HF_HUB_OFFLINE:
         return
     api = HfApi()
@@ -122,7 +123,10 @@ def check_hub_access(sources) -> None:
         seen.add((repo_id, repo_type))
         page = f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
         try:
-            api.repo_info(repo_id, repo_type=repo_type)
+            # The hub serves a gated repository's info to anyone and refuses only its files (huggingface_hub issue
+            # #2457; datasets PR #7110 asks /auth-check for that reason): access is asked where it is enforced.
+            if api.repo_info(repo_id, repo_type=repo_type).gated:
+                api.auth_check(repo_id, repo_type=repo_type)
         except GatedRepoError:
             raise PermissionError(
                 f"{option}: {repo_id!r} is a gated {repo_type} on the Hugging Face hub. Accept its conditions at "

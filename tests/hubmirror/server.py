@@ -3,14 +3,18 @@ and transformers 4.57 call, over a folder of repositories.
 
 Layout of the folder: ``models/<id>/...`` and ``datasets/<id>/...`` (``<id>`` as on the hub, ``org/name``), each a
 repository's files at its one revision ``main``. A file ``gated.json`` at the top lists repository paths
-(``models/<id>``) that answer as a gated repository does to a request without an accepted token.
+(``models/<id>``) that answer as a gated repository does to a request without an accepted token: as on the hub
+since August 2024 (huggingface_hub issue #2457, "Gated dataset info is leaked"; datasets PR #7110 checks access with
+``/auth-check`` because of it), the repository's info (``"gated": "manual"``), tree, paths-info, README.md and
+.gitattributes are public, and only its other files and ``/api/<kind>/<id>/auth-check`` are refused.
 
 The answers follow the hub's, as huggingface_hub reads them (``utils/_http.py`` ``hf_raise_for_status``,
 ``file_download.py`` ``get_hf_file_metadata``): a file's HEAD carries ``X-Repo-Commit``, ``ETag`` and
 ``Content-Length``; a repository it does not hold is a 404 with ``X-Error-Code: RepoNotFound`` and the hub's page
 text; a missing file of a repository it holds is a 404 ``EntryNotFound`` that still names the commit (clients cache
 the miss and go on, as they do for optional files such as ``added_tokens.json``); a bad revision is a 404
-``RevisionNotFound``; a gated repository without a token is a 401 ``GatedRepo`` with the hub's message. Files are
+``RevisionNotFound``; a gated file without a token is a 401 ``GatedRepo`` with the hub's message, with a token
+that was not granted access a 403 ``GatedRepo`` (``hf_raise_for_status`` turns either into ``GatedRepoError``). Files are
 served directly (no LFS redirect). Every request is logged with its status and the bytes sent, so a test can say
 what a run fetched.
 
@@ -33,8 +37,10 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 REPO_TYPES = {"models": "model", "datasets": "dataset"}
 NOT_FOUND_PAGE = "Sorry, we can't find the page you are looking for."
+PUBLIC_FILES = ("README.md", ".gitattributes")  # a gated repository's card stays public
 _ID = r"(?P<repo>[^/]+(?:/[^/]+)?)"
 _ROUTES = [
+    ("auth", re.compile(rf"^/api/(?P<kind>models|datasets)/{_ID}/auth-check$")),
     ("info", re.compile(rf"^/api/(?P<kind>models|datasets)/{_ID}(?:/revision/(?P<rev>[^/]+))?$")),
     ("tree", re.compile(rf"^/api/(?P<kind>models|datasets)/{_ID}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$")),
     ("paths", re.compile(rf"^/api/(?P<kind>models|datasets)/{_ID}/paths-info/(?P<rev>[^/]+)$")),
@@ -203,17 +209,19 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.hub.repos.get((kind, match["repo"]))
         if repo is None:
             return _error(404, "RepoNotFound", "Repository not found", NOT_FOUND_PAGE)
-        if f"{kind}/{repo.repo_id}" in self.hub.gated and not self._authorised():
-            singular = REPO_TYPES[kind]
-            message = (f"Access to {singular} {repo.repo_id} is restricted. You must have access to it and be "
-                       "authenticated to access it. Please log in.")
-            return _error(401, "GatedRepo", message, message)
+        gated = f"{kind}/{repo.repo_id}" in self.hub.gated
+        if gated and (route == "auth" or (route == "file" and match["path"] not in PUBLIC_FILES)):
+            refused = self._refused(REPO_TYPES[kind], repo.repo_id)
+            if refused is not None:
+                return refused
+        if route == "auth":
+            return 200, {"Content-Type": "application/json"}, b"{}"
         rev = match.get("rev")
         if rev is not None and rev not in ("main", repo.sha):
             return _error(404, "RevisionNotFound", "Invalid rev id: " + rev, "Invalid rev id: " + rev, repo)
         commit = {"X-Repo-Commit": repo.sha}
         if route == "info":
-            return 200, {"Content-Type": "application/json", **commit}, json.dumps(_info(repo)).encode()
+            return 200, {"Content-Type": "application/json", **commit}, json.dumps(_info(repo, gated)).encode()
         if route == "tree":
             return 200, {"Content-Type": "application/json", **commit}, json.dumps(
                 _tree(repo, match.get("path") or "", query.get("recursive", ["false"])[0] in ("1", "true", "True"))
@@ -233,9 +241,18 @@ class _Handler(BaseHTTPRequestHandler):
         return 200, {**commit, "ETag": f'"{_etag(path)}"', "Accept-Ranges": "bytes",
                      "Content-Type": "application/octet-stream"}, path.read_bytes()
 
-    def _authorised(self) -> bool:
-        token = self.hub.token
-        return token is not None and self.headers.get("Authorization") == f"Bearer {token}"
+    def _refused(self, singular: str, repo_id: str):
+        """None where the request carries the token that was granted access; else the hub's answer."""
+        given = self.headers.get("Authorization")
+        if given is None:
+            message = (f"Access to {singular} {repo_id} is restricted. You must have access to it and be "
+                       "authenticated to access it. Please log in.")
+            return _error(401, "GatedRepo", message, message)
+        if self.hub.token is not None and given == f"Bearer {self.hub.token}":
+            return None
+        message = (f"Access to {singular} {repo_id} is restricted and you are not in the authorized list. "
+                   f"Visit {self.hub.endpoint}/{repo_id} to ask for access.")
+        return _error(403, "GatedRepo", message, message)
 
 
 def _error(status: int, code: str, message: str, text: str, repo: Optional[Repo] = None):
@@ -245,9 +262,9 @@ def _error(status: int, code: str, message: str, text: str, repo: Optional[Repo]
     return status, headers, text.encode()
 
 
-def _info(repo: Repo) -> dict:
+def _info(repo: Repo, gated: bool) -> dict:
     info = {"_id": repo.sha[:24], "id": repo.repo_id, "sha": repo.sha, "private": False, "disabled": False,
-            "gated": False, "downloads": 0, "likes": 0, "tags": [], "lastModified": "2026-01-01T00:00:00.000Z",
+            "gated": "manual" if gated else False, "downloads": 0, "likes": 0, "tags": [], "lastModified": "2026-01-01T00:00:00.000Z",
             "createdAt": "2026-01-01T00:00:00.000Z", "siblings": [{"rfilename": name} for name in repo.files]}
     if repo.kind == "models":
         info["modelId"] = repo.repo_id

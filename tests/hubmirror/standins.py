@@ -285,10 +285,25 @@ MERGEBENCH_DOMAINS = ("instruction", "math", "coding")
 # Llama 3's special tokens (ids 128000 on in the real vocabulary; here after the stand-in's own tokens)
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
                   "<|eot_id|>"]
-# Llama 3's chat layout (header, content, <|eot_id|>); the real template also writes a dated system turn and tools
-LLAMA_CHAT = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>"
-              "\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Llama 3.2 Instruct's chat layout without tools, as its tokenizer_config.json's template renders it (seen in
+# copies of that template on GitHub, e.g. in LLM fine-tuning scripts): <|begin_of_text|>, then ALWAYS a system turn that
+# opens with "Cutting Knowledge Date: December 2023" and "Today Date: <strftime_now('%d %b %Y'), else 26 Jul 2024>"
+# and holds the (trimmed) system message if the first message is one, then each turn (header, trimmed content,
+# <|eot_id|>) and the assistant header. Written here for that case only (the real one also places tools).
+LLAMA_CHAT = (
+    "{{- bos_token }}"
+    "{%- if date_string is not defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    "{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: '"
+    " + date_string + '\\n\\n' + system_message + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 
 
 def build_llm(folder: Path) -> None:
@@ -414,7 +429,7 @@ def _evaluation_datasets(root: Path) -> None:
         "test_list": [[f"assert twice_{k}(1) == {k}", f"assert twice_{k}(2) == {2 * k}", f"assert twice_{k}(0) == 0"]
                       for k in (2, 3)],
         "test": [EVALPLUS_ASSERTION + f"\n\ninputs = [[1], [4]]\nresults = [{k}, {4 * k}]\n"
-                 "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(candidate(*inp), exp, 0)\n"
+                 f"for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(twice_{k}(*inp), exp, 0)\n"
                  for k in (2, 3)]}, Features({
         "task_id": Value("int64"), "code": Value("string"), "prompt": Value("string"), "source_file": Value("string"),
         "test_imports": Sequence(Value("string")), "test_list": Sequence(Value("string")), "test": Value("string")}))
