@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -167,27 +168,34 @@ def test_end_to_end_offline_run_evaluates_and_saves_the_calibrated_model(toy_wor
 
 
 @pytest.mark.slow  # the fusion_bench CLI in a process of its own
-def test_two_value_multirun_reports_upstream_and_featcal_for_each_value(toy_world, tmp_path):
-    fusion_bench(
-        "-m",
-        *toy_args(
-            toy_world,
-            "method=featcal",
-            "method.return_upstream=true",
-            "method.lambda_=0.01,0.5",
-            f"path.log_dir={tmp_path}/run_${{hydra:job.num}}",
-            f"hydra.sweep.dir={tmp_path}/sweep",
-        ),
-        cwd=tmp_path,
-    )
-    reports = [json.loads((tmp_path / f"run_{i}" / "program_report.json").read_text()) for i in range(2)]
+def test_two_value_multirun_reports_upstream_and_featcal_for_each_value_in_its_own_folder(toy_world, tmp_path):
+    """FusionBench's log folder is time-named and a sweep's jobs share the time; each job's reports land in its own
+    folder of the sweep all the same (config_fixes/path/default.yaml), FusionBench's default paths left as they are."""
+    fusion_bench("-m", *toy_args(toy_world, "method=featcal", "method.return_upstream=true", "method.lambda_=0.01,0.5"),
+                 cwd=tmp_path)
+    sweeps = list((tmp_path / "outputs" / "multirun" / "fabric_model_fusion").iterdir())
+    assert len(sweeps) == 1
+    jobs = [sweeps[0] / str(i) for i in range(2)]
+    reports = [json.loads((job / "program_report.json").read_text()) for job in jobs]
     for report in reports:
         assert set(report) >= {"upstream", "featcal", "featcal_calibration"}
         assert "average" in report["featcal"]
-    lambdas = [json.loads((tmp_path / f"run_{i}" / "featcal_report.json").read_text())["hparams"]["lambda_"] for i in range(2)]
+    lambdas = [json.loads((job / "featcal_report.json").read_text())["hparams"]["lambda_"] for job in jobs]
     assert lambdas == [0.01, 0.5]
+    for job, value in zip(jobs, ("0.01", "0.5")):  # Hydra's own record of the job, in the same folder
+        assert f"method.lambda_={value}" in yaml.safe_load((job / "overrides.yaml").read_text())
+    assert not (tmp_path / "outputs" / "fabric_model_fusion").exists()  # no folder shared by the jobs
     # the upstream model is the same Task Arithmetic merge in both jobs
     assert reports[0]["upstream"]["average"] == reports[1]["upstream"]["average"]
+
+
+@pytest.mark.slow  # the fusion_bench CLI in a process of its own
+def test_a_baselines_multirun_writes_each_jobs_report_into_its_own_folder(toy_world, tmp_path):
+    fusion_bench("-m", *toy_args(toy_world, "method=surgery/clip_ta", "method.max_steps=1,2"), cwd=tmp_path)
+    (sweep,) = (tmp_path / "outputs" / "multirun" / "fabric_model_fusion").iterdir()
+    steps = [json.loads((sweep / str(i) / "surgery_report.json").read_text())["max_steps"] for i in range(2)]
+    assert steps == [1, 2]
+    assert all((sweep / str(i) / "program_report.json").is_file() for i in range(2))
 
 
 @pytest.mark.slow  # the fusion_bench CLI in a process of its own

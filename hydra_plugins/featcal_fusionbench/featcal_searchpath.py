@@ -8,13 +8,18 @@ config path (as it does from this repository's root), FusionBench's configs are 
 on the path at all; they are appended too, so `fabric_model_fusion` still resolves.
 
 One folder goes ahead of FusionBench's instead: `featcal_fusionbench_config_fixes`, copies of
-FusionBench configs that name hub ids the hub has renamed (docs/compatibility.md, "Hub ids we
+FusionBench configs that name hub ids the hub has renamed, and of its `path` config with a log
+folder of its own for each job of a multirun (docs/compatibility.md, "FusionBench configs we
 override"). It holds nothing else, so that dropping it is all it takes once FusionBench releases
-the fix.
+the fixes. Importing this module registers the resolver that `path` config names.
 """
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+from .sweep_log_dir import register
+
+register()
 
 FEATCAL_CONFIGS = "pkg://featcal_fusionbench_config"
 FEATCAL_CONFIG_FIXES = "pkg://featcal_fusionbench_config_fixes"
