@@ -1,10 +1,12 @@
 """FeatCal (Feature Calibration for Post-Merging Models) as a FusionBench method.
 
-The package is eight layers, lowest first; a module imports only its own layer and those below
+The package is nine layers, lowest first; a module imports only its own layer and those below
 (``tests/test_layers.py`` keeps the rule):
 
 - ``core``: pure tensor math (moments, a block's sums over tasks, the closed-form solver, the held-out objective,
   meters, the seeded sampling of examples) and the method's hyperparameters;
+- ``reports``: what runs left on disk read back and drawn (a sweep's table and picture, a run's drift picture, runs
+  side by side: ``featcal-report``), knowing no model;
 - ``models``: where weights live (lazy checkpoints, a block on the device while in use, model checks, the task
   switch that Surgery's maps and the task pools share);
 - ``evaluation``: FusionBench task pools and their scorers (lm-eval tasks, the code sandbox), knowing no method;

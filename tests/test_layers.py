@@ -8,7 +8,7 @@ from typing import List
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "featcal_fusionbench"
-LAYERS = ["core", "models", "evaluation", "families", "engine", "autoselect", "integration", "baselines"]
+LAYERS = ["core", "reports", "models", "evaluation", "families", "engine", "autoselect", "integration", "baselines"]
 
 
 def layer_of(module: str) -> int:

@@ -1,54 +1,54 @@
-"""The results table that the quick start and the reproduction runner print."""
+"""``featcal-report compare`` on runs laid out as FusionBench writes them: the quick start's table."""
 
 import json
 
 import pytest
 
-from featcal_fusionbench.integration import reporting
+from featcal_fusionbench.reports.cli import main
+from featcal_fusionbench.reports.runs import section_scores
+
+TA = "method:fusion_bench.method.TaskArithmeticAlgorithm"
 
 
-def test_comparison_table_lists_tasks_average_and_gain(tmp_path, capsys):
-    report = {
+def run_folder(folder, program_report, method=None, method_report=None):
+    folder.mkdir()
+    (folder / "program_report.json").write_text(json.dumps(program_report))
+    if method is not None:
+        (folder / f"{method}_report.json").write_text(json.dumps(method_report))
+    return folder
+
+
+def test_compare_prints_the_upstream_featcal_auto_select_and_surgery_as_rows(tmp_path, capsys):
+    featcal = run_folder(tmp_path / "f", {
         "upstream": {"model_info": {}, "a": {"accuracy": 0.5}, "b": {"accuracy": 0.7}, "average": {"accuracy": 0.6}},
         "featcal": {"model_info": {}, "a": {"accuracy": 0.75}, "b": {"accuracy": 0.7}, "average": {"accuracy": 0.725}},
         "featcal_calibration": {"seconds": 1.5},
-    }
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(report))
-    assert reporting.main([str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "| a | 50.0 | 75.0 | +25.0 |" in out
-    assert "| average | 60.0 | 72.5 | +12.5 |" in out
-    assert "1.50 s" in out
-    with pytest.raises(KeyError, match="return_upstream"):
-        reporting.comparison_table({"featcal": {}})
+    }, "featcal", {"upstream": TA, "seconds": 1.5, "blocks": []})
+    auto = run_folder(tmp_path / "a", {"model_info": {}, "a": {"accuracy": 0.85}, "b": {"accuracy": 0.75},
+                                       "average": {"accuracy": 0.8}},
+                      "featcal", {"upstream": TA, "seconds": 4.0, "blocks": [{"block": 0, "hparams": {"lambda_": 1e-6}}]})
+    surgery = run_folder(tmp_path / "s", {"model_info": {}, "a": {"accuracy": 0.8}, "b": {"accuracy": 0.9},
+                                          "average": {"accuracy": 0.85}}, "surgery", {"upstream": TA, "seconds": 12.25})
+    assert main(["compare", str(featcal), str(auto / "program_report.json"), str(surgery)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| model | a | b | average |"
+    assert out[2:6] == ["| TaskArithmetic | 50.0 | 70.0 | 60.0 |", "| TaskArithmetic + FeatCal | 75.0 | 70.0 | 72.5 |",
+                        "| TaskArithmetic + FeatCal, label-free (auto_select) | 85.0 | 75.0 | 80.0 |",
+                        "| TaskArithmetic + Surgery | 80.0 | 90.0 | 85.0 |"]
+    assert "calibration time: FeatCal 1.5 s, FeatCal, label-free (auto_select) 4.0 s, Surgery 12.2 s" in out
 
 
-def test_two_reports_print_ta_featcal_and_surgery_as_rows(tmp_path, capsys):
-    featcal = {
-        "upstream": {"a": {"accuracy": 0.5}, "b": {"accuracy": 0.7}, "average": {"accuracy": 0.6}},
-        "featcal": {"a": {"accuracy": 0.75}, "b": {"accuracy": 0.7}, "average": {"accuracy": 0.725}},
-        "featcal_calibration": {"seconds": 1.5},
-    }
-    surgery = {"model_info": {}, "a": {"accuracy": 0.8}, "b": {"accuracy": 0.9}, "average": {"accuracy": 0.85}}
-    (tmp_path / "f").mkdir()
-    (tmp_path / "s").mkdir()
-    (tmp_path / "f" / "program_report.json").write_text(json.dumps(featcal))
-    (tmp_path / "s" / "program_report.json").write_text(json.dumps(surgery))
-    (tmp_path / "s" / "surgery_report.json").write_text(json.dumps({"seconds": 12.25}))
-    assert reporting.main([str(tmp_path / "f" / "program_report.json"), str(tmp_path / "s" / "program_report.json")]) == 0
-    out = capsys.readouterr().out
-    assert "| model | a | b | average |" in out
-    assert "| TA | 50.0 | 70.0 | 60.0 |" in out
-    assert "| TA + FeatCal | 75.0 | 70.0 | 72.5 |" in out
-    assert "| TA + Surgery | 80.0 | 90.0 | 85.0 |" in out
-    assert "FeatCal 1.5 s, Surgery 12.2 s" in out
-    auto = {"model_info": {}, "a": {"accuracy": 0.85}, "b": {"accuracy": 0.75}, "average": {"accuracy": 0.8},
-            "featcal_calibration": {"seconds": 4.0}}
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "program_report.json").write_text(json.dumps(auto))
-    paths = [str(tmp_path / d / "program_report.json") for d in ("f", "s", "a")]
-    assert reporting.main(paths) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| TA")]
-    assert rows == ["| TA | 50.0 | 70.0 | 60.0 |", "| TA + FeatCal | 75.0 | 70.0 | 72.5 |",
-                    "| TA + FeatCal, label-free (auto_select) | 85.0 | 75.0 | 80.0 |", "| TA + Surgery | 80.0 | 90.0 | 85.0 |"]
+def test_a_run_that_did_not_finish_is_named(tmp_path, capsys):
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "overrides.yaml").write_text("- method=featcal\n")
+    assert main(["compare", str(tmp_path / "stopped")]) == 1
+    assert "no program_report.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, expected", [
+    ({"a": {"accuracy": 0.5}, "average": {"accuracy": 0.5}, "model_info": {"x": 1}}, {"a": 0.5, "average": 0.5}),
+    ({"t": {"score": 0.25, "exact_match,none": 0.25, "sample_len": 2.0}}, {"t": 0.25, "average": 0.25}),  # lm-eval pool
+    ({"a": {"accuracy": 1.0}, "featcal_calibration": {"seconds": 3.0}}, {"a": 1.0, "average": 1.0}),  # no task
+])
+def test_scores_are_read_as_the_task_pools_write_them(section, expected):
+    assert section_scores(section) == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Mapping, Optional, Union
@@ -21,6 +22,7 @@ from ..engine.streams import StreamOptions
 from ..families import checked_options, family_for
 from ..models.checks import check_same_architecture
 from ..models.sinks import CheckpointSink, MemorySink
+from ..reports.drift import DRIFT_PICTURE, write_drift_picture
 from .data import calibration_source, select_calibration_data, shard
 from .hub_access import check_path_option
 from .memory import choose as choose_models_in_memory
@@ -286,7 +288,20 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         if resumed:
             report["resumed_blocks"] = resumed
         self.save_report(REPORT_NAME, report)
+        self._save_drift_picture(report)
         self.print_profile_summary("FeatCal profile")
+
+    def _save_drift_picture(self, report: Dict[str, Any]) -> None:
+        log_dir = self.log_dir
+        if log_dir is None or not self.fabric.is_global_zero:
+            return
+        path = os.path.join(log_dir, DRIFT_PICTURE)
+        try:
+            write_drift_picture(report, path)
+        except Exception as error:  # the calibrated model and its report are done: a picture never costs them
+            log.warning("could not draw %s: %s: %s", path, type(error).__name__, error)
+        else:
+            log.info("FeatCal drift picture saved to %s", path)
 
     def _load_written(self, written, upstream_written, modelpool, base, report):
         """The written model(s) for the program's task pool (None without one), in the base's dtype and with the
