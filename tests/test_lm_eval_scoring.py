@@ -192,3 +192,23 @@ def test_bigcode_completions_are_the_prompt_plus_each_sample_scored_over_all_sam
     mbpp_right = "def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n"
     scores = mbppplus_bigcode_process_results(MBPP_DOC, [[mbpp_right, mbpp_right.replace("&", "|")]])
     assert scores == {"pass@1": 0.5}  # two samples: pass@10 is not estimated
+
+
+@pytest.mark.parametrize("task, doc", [("humanevalplus_bigcode", HUMANEVAL_DOC), ("mbppplus_bigcode", MBPP_DOC)])
+def test_the_bigcode_tasks_prompt_is_the_one_the_scorer_completes(task, doc):
+    """The program is the prompt plus the completion: the prompt lm-eval renders must be the scorer's."""
+    from pathlib import Path
+
+    import yaml
+    from lm_eval.utils import apply_template
+
+    from featcal_fusionbench.evaluation.lm_eval_scoring import bigcode_humaneval_prompt, bigcode_mbpp_prompt
+    from featcal_fusionbench.evaluation.lm_eval_tasks import TASKS_DIR
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: node.value)
+    config = yaml.load((Path(TASKS_DIR) / f"{task}.yaml").read_text(), Loader=Loader)
+    prompt = bigcode_humaneval_prompt if task.startswith("humaneval") else bigcode_mbpp_prompt
+    assert apply_template(config["doc_to_text"], doc) == prompt(doc)

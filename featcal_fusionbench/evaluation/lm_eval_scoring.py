@@ -9,7 +9,9 @@ original MBPP asserts, not EvalPlus's tests. The scorers here read what an Instr
   normalisation of lm-eval's Hendrycks MATH scorer (``lm_eval.tasks.hendrycks_math.utils.is_equiv``).
 - HumanEval+ / MBPP+: the reply sanitized as EvalPlus sanitizes it (``code_sanitize``: its imports and the
   definitions the entry point reaches), run with EvalPlus's tests (the ``test`` field of ``evalplus/humanevalplus``
-  and ``evalplus/mbppplus``) in a sandboxed process (``code_execution``): pass@1 of one greedy sample.
+  and ``evalplus/mbppplus``) in a sandboxed process (``code_execution``): pass@1 of one greedy sample. And as
+  MergeBench scores them (bigcode-evaluation-harness): the prompt plus each of several sampled completions, run
+  with the same tests, pass@1 and pass@10 estimated from the samples.
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ def _passed(program: str) -> Dict[str, float]:
     return {"pass@1": float(run_program(program, CODE_TIMEOUT_S).passed)}
 
 
+def humaneval_plus_process_results(doc: Dict, results: List[str]) -> Dict[str, float]:
+    return _passed(humaneval_program(doc, results[0]))
+
+
+def mbpp_plus_process_results(doc: Dict, results: List[str]) -> Dict[str, float]:
+    return _passed(mbpp_program(doc, results[0]))
+
+
 # ---- MergeBench's protocol: bigcode-evaluation-harness completions, several samples ----------------------------
 
 BIGCODE_HUMANEVAL_TIMEOUT_S, BIGCODE_MBPP_TIMEOUT_S = 20.0, 10.0  # humanevalplus.py / mbppplus.py at 8fc5bae6
@@ -138,17 +148,6 @@ def humanevalplus_bigcode_process_results(doc: Dict, results: List) -> Dict[str,
 def mbppplus_bigcode_process_results(doc: Dict, results: List) -> Dict[str, float]:
     prompt, reference = bigcode_mbpp_prompt(doc), f"\n{doc['test']}"
     return _pass_at([prompt + sample + reference for sample in _samples(results)], BIGCODE_MBPP_TIMEOUT_S)
-
-
-# ---- the chat protocol: EvalPlus's ------------------------------------------------------------------------------
-
-
-def humaneval_plus_process_results(doc: Dict, results: List[str]) -> Dict[str, float]:
-    return _passed(humaneval_program(doc, results[0]))
-
-
-def mbpp_plus_process_results(doc: Dict, results: List[str]) -> Dict[str, float]:
-    return _passed(mbpp_program(doc, results[0]))
 
 
 __all__ = [
