@@ -41,6 +41,15 @@ MBPP_DOC = {
 MBPP_DOC_CANDIDATE = {**MBPP_DOC, "test": MBPP_DOC["test"].replace("similar_elements(*inp)", "candidate(*inp)")}
 
 
+@pytest.fixture(autouse=True)
+def short_time_limit(monkeypatch):
+    """The docs here run a handful of inputs in well under a second; a reply that loops is stopped after 3 s, not the
+    20 s a real HumanEval+ program gets."""
+    from featcal_fusionbench.evaluation import lm_eval_scoring
+
+    monkeypatch.setattr(lm_eval_scoring, "CODE_TIMEOUT_S", 3.0)
+
+
 def humaneval(reply):
     return humaneval_plus_process_results(HUMANEVAL_DOC, [reply])["pass@1"]
 
