@@ -193,9 +193,19 @@ def test_two_value_multirun_reports_upstream_and_featcal_for_each_value_in_its_o
 def test_a_baselines_multirun_writes_each_jobs_report_into_its_own_folder(toy_world, tmp_path):
     fusion_bench("-m", *toy_args(toy_world, "method=surgery/clip_ta", "method.max_steps=1,2"), cwd=tmp_path)
     (sweep,) = (tmp_path / "outputs" / "multirun" / "fabric_model_fusion").iterdir()
-    steps = [json.loads((sweep / str(i) / "surgery_report.json").read_text())["max_steps"] for i in range(2)]
-    assert steps == [1, 2]
+    reports = [json.loads((sweep / str(i) / "surgery_report.json").read_text()) for i in range(2)]
+    assert [r["max_steps"] for r in reports] == [1, 2]
     assert all((sweep / str(i) / "program_report.json").is_file() for i in range(2))
+    # the sweep report reads a baseline's runs alike: its swept value, its scores, its report's time
+    from featcal_fusionbench.reports.sweep import Sweep
+
+    table = Sweep(sweep)
+    assert table.keys == ["method.max_steps"] and not table.failed
+    assert sorted((r.value("method.max_steps"), r.seconds) for r in table.scored) == [
+        (1, reports[0]["seconds"]), (2, reports[1]["seconds"])]
+    average = table.figure().axes[0]  # one swept value: a line over it, the best marked
+    assert (average.get_title(), average.get_xlabel()) == ("average", "method.max_steps")
+    assert list(average.lines[0].get_xdata()) == [1, 2] and average.lines[1].get_label() == "best"
 
 
 @pytest.mark.slow  # the fusion_bench CLI in a process of its own
