@@ -27,9 +27,9 @@ from .data import calibration_source, select_calibration_data, shard
 from .hub_access import check_path_option
 from .memory import choose as choose_models_in_memory
 from .memory import resolve_setting
-from .out_of_core import (OneAtATime, check_out_of_core, data_fingerprint, digest, load_lazy_merged,
-                          map_large_allocations, models_fingerprint, output_path, save_config_and_tokenizer,
-                          upstream_path)
+from .fingerprint import data_fingerprint, digest, models_fingerprint
+from .out_of_core import (OneAtATime, check_out_of_core, load_lazy_merged, map_large_allocations, output_path,
+                          save_config_and_tokenizer, upstream_path)
 from .post_merging import PostMergingMixin, peak_memory
 from .upstream import load_saved_model
 

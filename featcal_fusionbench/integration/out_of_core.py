@@ -12,14 +12,10 @@ output is an HF folder (safetensors shards, their index, config, generation conf
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -179,62 +175,6 @@ def upstream_path(output) -> str:
     return f"{str(output).rstrip('/')}_upstream"
 
 
-def digest(value: Any) -> str:
-    """A short stable hash of a JSON-able value (keys sorted; other objects by their text)."""
-    text = json.dumps(value, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _feed(hasher, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        hasher.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            hasher.update(str(key).encode())
-            _feed(hasher, value[key])
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _feed(hasher, item)
-    elif hasattr(value, "tobytes"):  # numpy arrays, PIL images
-        hasher.update(repr(getattr(value, "size", getattr(value, "shape", ""))).encode())
-        hasher.update(value.tobytes())
-    else:
-        hasher.update(repr(value).encode())
-
-
-def data_fingerprint(datasets: Mapping[str, Any]) -> str:
-    """A hash of every task's selected calibration examples, read example by example."""
-    hasher = hashlib.sha256()
-    for task in sorted(datasets):
-        hasher.update(task.encode())
-        dataset = datasets[task]
-        for i in range(len(dataset)):
-            _feed(hasher, dataset[i])
-    return hasher.hexdigest()[:16]
-
-
-def models_fingerprint(modelpool, merged_model_path: Optional[str]) -> str:
-    """The input models as named (pool entries, ``merged_model_path``) and, where they are local, their files'
-    names, sizes and modification times: a checkpoint saved again is a changed input."""
-    entries = {name: modelpool.get_model_config(name, return_copy=True) for name in modelpool.all_model_names}
-    if merged_model_path is not None:
-        entries["merged_model_path"] = merged_model_path
-    described = {}
-    for name, entry in entries.items():
-        path = entry_path(entry) if not isinstance(entry, str) else entry
-        files = []
-        if path is not None and os.path.exists(path):
-            root = Path(path)
-            for file in sorted(root.rglob("*") if root.is_dir() else [root]):
-                if file.is_file():
-                    stat = file.stat()
-                    files.append((str(file.relative_to(root)) if root.is_dir() else file.name, stat.st_size,
-                                  stat.st_mtime_ns))
-        described[name] = {"entry": repr(entry), "files": files}
-    return digest(described)
-
-
 class OneAtATime(dict):
     """Written models for FusionBench's program, which evaluates a returned dict's models in turn
     (``FabricModelFusionProgram.evaluate_merged_model``: ``for key, item in merged_model.items()``): each is loaded
@@ -256,6 +196,5 @@ class OneAtATime(dict):
             del model
 
 
-__all__ = ["DEFAULT_OUTPUT", "OneAtATime", "check_out_of_core", "data_fingerprint", "digest", "lazy_merge_of",
-           "lazy_upstream", "load_lazy_merged", "map_large_allocations", "models_fingerprint", "output_path",
-           "save_config_and_tokenizer", "upstream_path"]
+__all__ = ["DEFAULT_OUTPUT", "OneAtATime", "check_out_of_core", "lazy_merge_of", "lazy_upstream", "load_lazy_merged",
+           "map_large_allocations", "output_path", "save_config_and_tokenizer", "upstream_path"]
