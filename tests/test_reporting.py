@@ -52,3 +52,22 @@ def test_a_run_that_did_not_finish_is_named(tmp_path, capsys):
 ])
 def test_scores_are_read_as_the_task_pools_write_them(section, expected):
     assert section_scores(section) == expected
+
+
+def test_runs_are_found_in_a_natural_order_beside_other_folders(tmp_path):
+    from featcal_fusionbench.reports.runs import find_runs
+
+    for name in ("10", "2", "extra", "0"):
+        run_folder(tmp_path / name, {"a": {"accuracy": 0.5}, "average": {"accuracy": 0.5}})
+    (tmp_path / "not_a_run").mkdir()
+    assert [p.name for p in find_runs(tmp_path)] == ["0", "2", "10", "extra"]
+
+
+def test_a_sweep_whose_runs_all_failed_is_listed_without_a_picture(tmp_path, capsys):
+    for job in ("0", "1"):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "overrides.yaml").write_text(f"- method=featcal\n- method.lambda_={job}\n")
+    assert main(["sweep", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 runs scored, 2 failed" in out and "no run has scores to draw" in out
+    assert (tmp_path / "sweep.csv").is_file() and not (tmp_path / "sweep.png").exists()

@@ -45,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sweep = Sweep(args.folder)
             print(sweep.markdown())
             csv_path, png = sweep.write(args.out)
-            print(f"\nwrote {csv_path} and {png}")
+            print(f"\nwrote {csv_path} and {png}" if png else f"\nwrote {csv_path} (no run has scores to draw)")
         elif args.command == "compare":
             text, picture = compare(args.runs, args.out)
             print(text)

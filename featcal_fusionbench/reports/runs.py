@@ -41,7 +41,7 @@ def find_runs(root: Path) -> List[Path]:
     root = Path(root)
     found = [root] if is_run(root) else []
     found += [p for p in root.rglob("*") if p.is_dir() and p.name != ".hydra" and is_run(p)]
-    return sorted(set(found), key=lambda p: [int(s) if s.isdigit() else s for s in p.relative_to(root).parts])
+    return sorted(set(found), key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.relative_to(root).parts])
 
 
 def task_score(entry: Any) -> Optional[float]:

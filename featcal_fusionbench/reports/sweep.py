@@ -165,12 +165,15 @@ class Sweep:
         ax.set_ylabel(target)
         ax.set_title(title)
 
-    def write(self, folder: Optional[Path] = None) -> Tuple[Path, Path]:
+    def write(self, folder: Optional[Path] = None) -> Tuple[Path, Optional[Path]]:
+        """sweep.csv, and sweep.png where some run has scores to draw (None otherwise)."""
         import matplotlib.pyplot as plt
 
         folder = Path(folder or self.root)
         folder.mkdir(parents=True, exist_ok=True)
         self.write_csv(folder / "sweep.csv")
+        if not self.scored:
+            return folder / "sweep.csv", None
         fig = self.figure()
         fig.savefig(folder / "sweep.png", dpi=80)
         plt.close(fig)
