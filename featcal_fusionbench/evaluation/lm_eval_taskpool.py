@@ -14,11 +14,12 @@ unknown task names.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from fusion_bench.mixins import LightningFabricMixin
 from fusion_bench.taskpool import BaseTaskPool
@@ -75,6 +76,15 @@ def parse_tasks(tasks) -> Dict[str, Dict[str, Optional[str]]]:
     if not parsed:
         raise ValueError(f"tasks leaves out every task it names: {sorted(tasks)}")
     return parsed
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(include_paths: Tuple[str, ...]):
+    """lm-eval's index of its own tasks and of ``include_paths``, built once per process and set of folders:
+    indexing lm-eval's thousands of task files takes 8-20 s on a 2-core machine, for each task pool built."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_paths))
 
 
 class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
@@ -150,8 +160,6 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
         self._task_manager = self._check_task_names()
 
     def _check_task_names(self):
-        from lm_eval.tasks import TaskManager
-
         from .lm_eval_tasks import TASKS_DIR
         from .nltk_data import ensure_punkt_tab
 
@@ -159,7 +167,7 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
             ensure_punkt_tab()  # before lm-eval imports IFEval's checkers, which download it otherwise
 
         # Our Table 4 task files (lm_eval_tasks/) are always indexed; the user's folder after them wins a name clash.
-        manager = TaskManager(include_path=[str(TASKS_DIR)] + ([self.include_path] if self.include_path else []))
+        manager = _task_manager((str(TASKS_DIR), *([self.include_path] if self.include_path else [])))
         known = set(manager.all_tasks)
         missing = [t for t in self.tasks if t not in known]
         if missing:
