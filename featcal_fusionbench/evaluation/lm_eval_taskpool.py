@@ -18,8 +18,9 @@ import functools
 import json
 import logging
 import os
+import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from fusion_bench.mixins import LightningFabricMixin
 from fusion_bench.taskpool import BaseTaskPool
@@ -78,13 +79,35 @@ def parse_tasks(tasks) -> Dict[str, Dict[str, Optional[str]]]:
     return parsed
 
 
+_TASK_LINE = re.compile(r"^task:\s*['\"]?([^'\"\s#]+)", re.M)
+
+
+def _lm_eval_folders(names: Tuple[str, ...]) -> Optional[List[str]]:
+    """The folders of lm-eval's own task files that define ``names`` (a YAML with ``task: <name>``), or None when
+    one is not found so (a group, a tag, a misspelt name): then lm-eval's whole index is built."""
+    import lm_eval.tasks
+
+    wanted, found = set(names), {}
+    for path in sorted(Path(lm_eval.tasks.__file__).parent.rglob("*.yaml")):
+        for match in _TASK_LINE.finditer(path.read_text(errors="replace")):
+            if match.group(1) in wanted:
+                found.setdefault(match.group(1), str(path.parent))
+    return sorted(set(found.values())) if set(found) == wanted else None
+
+
 @functools.lru_cache(maxsize=8)
-def _task_manager(include_paths: Tuple[str, ...]):
-    """lm-eval's index of its own tasks and of ``include_paths``, built once per process and set of folders:
-    indexing lm-eval's thousands of task files takes 8-20 s on a 2-core machine, for each task pool built."""
+def _task_manager(include_paths: Tuple[str, ...], tasks: Tuple[str, ...]):
+    """lm-eval's index of ``include_paths`` and of the folders of lm-eval's own files that define the rest of
+    ``tasks``, built once per process: indexing all of lm-eval's ~14,000 task files takes 8-20 s on a 2-core machine,
+    for each task pool built, where the few folders a pool needs take well under a second to find and index."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(include_paths))
+    ours = TaskManager(include_path=list(include_paths), include_defaults=False)
+    theirs = _lm_eval_folders(tuple(t for t in tasks if t not in set(ours.all_tasks)))
+    if theirs is None:
+        return TaskManager(include_path=list(include_paths))
+    # lm-eval's folders first, as lm-eval indexes its own first: a folder of ours wins a name clash
+    return TaskManager(include_path=[*theirs, *include_paths], include_defaults=False)
 
 
 class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
@@ -167,7 +190,7 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
             ensure_punkt_tab()  # before lm-eval imports IFEval's checkers, which download it otherwise
 
         # Our Table 4 task files (lm_eval_tasks/) are always indexed; the user's folder after them wins a name clash.
-        manager = _task_manager((str(TASKS_DIR), *([self.include_path] if self.include_path else [])))
+        manager = _task_manager((str(TASKS_DIR), *([self.include_path] if self.include_path else [])), tuple(self.tasks))
         known = set(manager.all_tasks)
         missing = [t for t in self.tasks if t not in known]
         if missing:
