@@ -143,9 +143,10 @@ def test_lm_eval_tasks_score_the_base_with_the_world_scorers(mini_world):
     tokenizer = AutoTokenizer.from_pretrained(root / "pretrained")
     model = AutoModelForCausalLM.from_pretrained(root / "pretrained", dtype=torch.float32).eval()
     names = {llm_eval.task_name(t): t for t in MINI.tasks}
+    manager = TaskManager(include_path=str(root / "tasks"), include_defaults=False)
     out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4), tasks=list(names),
-                          task_manager=TaskManager(include_path=str(root / "tasks")), apply_chat_template=True,
-                          confirm_run_unsafe_code=True, limit=2, log_samples=True)
+                          task_manager=manager, apply_chat_template=True, confirm_run_unsafe_code=True, limit=2,
+                          log_samples=True)
     for name, task in names.items():
         samples = out["samples"][name]
         assert len(samples) == 2
