@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .drift import drift_series
+from .drift import chosen_values, drift_series
 from .drift import upstream_name as drift_upstream_name
-from .runs import Run, model_sections, read_run, section_scores
+from .runs import Run, model_sections, points_scale, read_run, section_scores
 
 NAMES = {"featcal": "FeatCal", "surgery": "Surgery", "probsurgery": "ProbSurgery"}
 
@@ -19,7 +19,7 @@ def upstream_name(run: Run) -> str:
 
 def method_label(run: Run) -> str:
     name = NAMES.get(run.method or "", run.method or "model")
-    if any("hparams" in b for b in run.method_report.get("blocks") or []):
+    if chosen_values(run.method_report):
         name += ", label-free (auto_select)"
     return name
 
@@ -49,7 +49,7 @@ def rows(runs: Sequence[Run]) -> List[Tuple[str, Dict[str, float]]]:
 def markdown(runs: Sequence[Run]) -> str:
     table = rows(runs)
     tasks = [t for t in table[0][1] if t != "average"] + ["average"]
-    scale = 100.0 if all(0.0 <= v <= 1.0 for _, s in table for v in s.values()) else 1.0
+    scale = points_scale(s for _, s in table)
     lines = ["| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     for label, scores in table:
         cells = ["" if scores.get(t) is None else f"{scores[t] * scale:.1f}" for t in tasks]

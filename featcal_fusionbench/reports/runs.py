@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import yaml
 
@@ -71,6 +71,11 @@ def section_scores(section: Dict[str, Any]) -> Dict[str, float]:
     if average is not None:
         scores["average"] = average
     return scores
+
+
+def points_scale(scores: Iterable[Mapping[str, float]]) -> float:
+    """100 where every score is a fraction (FusionBench's accuracies, lm-eval's metrics: shown as points), else 1."""
+    return 100.0 if all(0.0 <= v <= 1.0 for s in scores for v in s.values()) else 1.0
 
 
 @dataclass

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .runs import Run, read_runs
+from .runs import Run, points_scale, read_runs
 
 BEST_MARK = "← best"
 
@@ -28,11 +28,6 @@ def swept_keys(runs: Sequence[Run]) -> List[str]:
     return sorted((k for k in order if distinct[k] > 1), key=lambda k: (-distinct[k], order[k]))
 
 
-def _percent(runs: Sequence[Run]) -> bool:
-    """Scores are fractions (FusionBench's accuracies, lm-eval's metrics): shown as points."""
-    return all(0.0 <= v <= 1.0 for r in runs for v in r.scores.values())
-
-
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
@@ -50,7 +45,7 @@ class Sweep:
         self.scored = sorted((r for r in runs if r.problem is None), key=lambda r: -r.scores["average"])
         self.failed = [r for r in runs if r.problem is not None]
         self.tasks = [t for t in (self.scored[0].scores if self.scored else {}) if t != "average"]
-        self.scale = 100.0 if _percent(self.scored) else 1.0
+        self.scale = points_scale(r.scores for r in self.scored)
 
     def name(self, run: Run) -> str:
         return str(run.folder.relative_to(self.root)) if run.folder != self.root else "."
