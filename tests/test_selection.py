@@ -49,8 +49,9 @@ def _tokens(n, d, seed):
 def test_the_heldout_linear_objective_equals_the_mean_squared_error_to_the_expert_up_to_its_constant(projected):
     d, m = 6, 3 if projected else 8
     hp = FeatCalHParams(accumulation_dtype="float64")
-    held, direct = HeldoutObjective(), 0.0
+    held, direct, near = HeldoutObjective(), 0.0, 0.0
     w, b = _tokens(m, d, 1), _tokens(1, m, 2)[0]
+    w_near = w + 1e-3 * _tokens(m, d, 3)  # a neighbouring candidate: the choice reads differences this small
     for task in range(2):
         x_cal, x_exp = _tokens(50 + 10 * task, d, 10 + task), _tokens(50 + 10 * task, d, 20 + task)
         expert = LinearSite(torch.nn.Linear(d, m).double().requires_grad_(False))
@@ -61,9 +62,15 @@ def test_the_heldout_linear_objective_equals_the_mean_squared_error_to_the_exper
         held.add_linear(0, LinearGroup(["f"], None), stats, {"f": expert}, hp)
         held.num_tasks += 1
         omega = 1.0 / float(torch.linalg.matrix_norm(x_cal.T @ x_cal / len(x_cal)))
-        residual = x_cal @ w.T + b - y
-        direct += omega * ((residual**2).sum(1).mean() - (y**2).sum(1).mean())
-    assert held.linear("f", w, b) == pytest.approx(float(direct), rel=1e-10)
+        def term(candidate):
+            residual = x_cal @ candidate.T + b - y
+            return omega * ((residual**2).sum(1).mean() - (y**2).sum(1).mean())
+
+        direct, near = direct + term(w), near + term(w_near)
+    # the sums are stored in float32 (objective.STORE_DTYPE), the scores computed in float64
+    assert held.linear("f", w, b) == pytest.approx(float(direct), rel=1e-7)
+    difference = held.linear("f", w_near, b) - held.linear("f", w, b)
+    assert difference == pytest.approx(float(near - direct), rel=1e-5)
 
 
 def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_experts_affine():

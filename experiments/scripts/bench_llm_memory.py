@@ -69,6 +69,8 @@ ARCHS = {
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
 MODES = ("lazy", "eager", "out_of_core")
+#: the worker key of an out-of-core run that chooses per block (``--auto-select``), run after the fixed-value one
+AUTO_SELECT_MODE = "out_of_core+auto_select"
 # --auto-select's grids of lambda and rho (alpha stays the run's, as criterion objective keeps it by default)
 AUTO_SELECT_GRIDS = {
     "small": {"lambda_": (1e-5, 1e-3), "rho": (0.5, 1.0), "alpha": (0.15,)},
@@ -221,7 +223,8 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
         with CheckpointSink(output, merged, blocks, fingerprint={"bench": "out_of_core"},
                             save_extra=lambda folder: merged.config.save_pretrained(folder)) as sink:
             fit, held, policy = {t: iter(b) for t, b in batches.items()}, None, None
-            if args.auto_select:  # criterion objective in the one pass: the last quarter of each task's batches held out
+            selecting = args.worker == AUTO_SELECT_MODE
+            if selecting:  # criterion objective in the one pass: the last quarter of each task's batches held out
                 from featcal_fusionbench.autoselect.options import all_candidates
                 from featcal_fusionbench.autoselect.policy import HeldoutSelection
 
@@ -244,7 +247,7 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
         "map_large_allocations": mapped,
         "upstream": args.upstream,
         "upstream_passes_seconds": upstream_seconds,
-        "auto_select": args.auto_select,
+        "auto_select": args.auto_select if selecting else None,
         "selection_seconds": sum(b.get("selection_seconds", 0.0) for b in report["blocks"]),
         "report": report,
     }
@@ -274,7 +277,7 @@ def worker(args) -> dict:
     hp = FeatCalHParams(num_calibration_examples=args.n, batch_size=args.batch_size, rho=0.5, alpha=0.15, lambda_=1e-5,
                         accumulation_dtype=args.accumulation_dtype)
     streams = StreamOptions(args.stream_device_bytes, args.stream_spill, args.stream_spill_dir)
-    if args.worker == "out_of_core":
+    if args.worker in ("out_of_core", AUTO_SELECT_MODE):
         batches = token_batches(args, llama_config(args.arch, args.dtype, args.layers).vocab_size)
         result = out_of_core_worker(args, device, dtype, paths, batches, hp, streams)
         report = result.pop("report")
@@ -353,7 +356,10 @@ def main():
     parser.add_argument("--auto-select", choices=sorted(AUTO_SELECT_GRIDS),
                         help="out_of_core only: choose lambda and rho per block on held-out moments (criterion "
                              "objective) over this grid; 'default' is auto_select's own 8 x 5, 'small' 2 x 2 (the "
-                             "memory is one candidate's solution at a time: the grid sets the time, not the peak)")
+                             "memory is one candidate's solution at a time: the grid sets the time, not the peak); "
+                             "the fixed-value run is made first, in its own process, and the ratios printed")
+    parser.add_argument("--without-fixed", action="store_true",
+                        help="with --auto-select: the choosing run alone (a depth series; the ratios need both)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -362,6 +368,8 @@ def main():
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
     if args.auto_select and modes != ["out_of_core"]:
         parser.error("--auto-select measures the out-of-core run alone: give --modes out_of_core")
+    if args.without_fixed and not args.auto_select:
+        parser.error("--without-fixed goes with --auto-select")
     if min(args.tasks, args.n, args.seq_len, args.batch_size, 1 if args.layers is None else args.layers) < 1:
         parser.error("--tasks, --n, --seq-len, --batch-size and --layers must be >= 1")
     try:
@@ -386,6 +394,8 @@ def main():
     write_checkpoints(args, Path(args.workdir))
     print(f"checkpoints in {args.workdir} ({time.perf_counter() - started:.0f} s)")
     results = []
+    if args.auto_select:
+        modes = [AUTO_SELECT_MODE] if args.without_fixed else [*modes, AUTO_SELECT_MODE]
     for mode in modes:
         result = in_subprocess(__file__, mode)
         results.append(result)
@@ -414,6 +424,11 @@ def main():
             print(f"       written block by block: {result['output_bytes'] / gib:.2f} GiB; upstream "
                   f"{result['upstream']} (passes before calibration {result['upstream_passes_seconds']:.1f} s)")
         print("       disk: " + ", ".join(f"{n} {b / gib:.2f} GiB" for n, b in result["disk_bytes"].items()))
+    if args.auto_select and not args.without_fixed:
+        fixed, chosen = results
+        print(f"auto_select / fixed values, one invocation: peak RSS x{chosen['peak_rss_bytes'] / fixed['peak_rss_bytes']:.3f}, "
+              f"statistics x{chosen['statistics_bytes'] / fixed['statistics_bytes']:.3f}, time +{chosen['seconds'] - fixed['seconds']:.0f} s "
+              f"(x{chosen['seconds'] / fixed['seconds']:.2f})")
     summary = {**provenance(__file__, args.device), "arch": args.arch, "layers": args.layers, "tasks": args.tasks, "n": args.n,
                "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": args.dtype,
                "storage_dtype": args.storage_dtype, "accumulation_dtype": args.accumulation_dtype,

@@ -61,12 +61,19 @@ def test_the_llm_memory_bench_runs_every_loading_mode_at_a_tiny_llama_shape(tmp_
     assert not layer_shards & set(other_shards)
     assert not list((tmp_path / "ckpt").glob("calibrated-*"))  # the saved copies are removed
     assert out_of_core["upstream"] == "task_arithmetic"
-    # out of core after TIES: its passes over the checkpoints timed apart, the same checkpoints reused
-    subprocess.run([*command[:-1], str(tmp_path / "ties.json"), "--modes", "out_of_core", "--upstream", "ties"],
-                   check=True, capture_output=True, text=True, timeout=600)
-    (ties,) = json.loads((tmp_path / "ties.json").read_text())["results"]
+    # out of core after TIES: its passes over the checkpoints timed apart, the same checkpoints reused; with
+    # --auto-select, a fixed-value run and then one that chooses per block, the ratios printed (two batches a task:
+    # one is held out)
+    done = subprocess.run([*command[:-1], str(tmp_path / "ties.json"), "--modes", "out_of_core", "--upstream", "ties",
+                           "--auto-select", "small", "--batch-size", "2"], check=True, capture_output=True, text=True, timeout=600)
+    ties, chosen = json.loads((tmp_path / "ties.json").read_text())["results"]
     assert ties["upstream"] == "ties" and ties["upstream_passes_seconds"] > 0 and ties["output_bytes"] > 0
     assert ties["last_block_cosine"] != out_of_core["last_block_cosine"]  # another merge
+    assert (ties["mode"], ties["auto_select"], ties["selection_seconds"]) == ("out_of_core", None, 0.0)
+    assert (chosen["mode"], chosen["auto_select"]) == ("out_of_core+auto_select", "small")
+    assert chosen["selection_seconds"] > 0 and chosen["statistics_bytes"] > ties["statistics_bytes"]
+    assert chosen["last_block_cosine"] != ties["last_block_cosine"]  # its own values, per block
+    assert "auto_select / fixed values, one invocation: peak RSS x" in done.stdout
 
 
 def test_bench_rows_times_every_component_on_a_tiny_model(tmp_path):
