@@ -1,9 +1,6 @@
 """The `fusion_bench` CLI with this plugin installed, offline, on the toy world."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,17 +9,16 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+import commands
+
 REPO = Path(__file__).resolve().parents[1]
-FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 METHOD_CONFIGS = sorted(
     str(p.relative_to(REPO / "config" / "method").with_suffix("")) for p in (REPO / "config" / "method").rglob("*.yaml")
 )
 
 
 def fusion_bench(*args, cwd, check=True):
-    env = {**os.environ, **OFFLINE}
-    result = subprocess.run([FUSION_BENCH, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    result = commands.run("fusion_bench", *args, cwd=cwd)
     if check and result.returncode != 0:
         raise AssertionError(f"fusion_bench {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result

@@ -3,9 +3,6 @@ the pictures decoded and checked for what they show."""
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import matplotlib
 
@@ -19,8 +16,9 @@ from featcal_fusionbench.reports.drift import DRIFT_PICTURE, drift_figure  # noq
 from featcal_fusionbench.reports.sweep import BEST_MARK, Sweep  # noqa: E402
 from test_cli import fusion_bench, toy_args  # noqa: E402
 
+import commands  # noqa: E402
+
 pytestmark = pytest.mark.slow  # one fusion_bench multirun, four jobs
-FEATCAL_REPORT = str(Path(sys.executable).with_name("featcal-report"))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def picture(path):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([FEATCAL_REPORT, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return commands.run("featcal-report", *args, cwd=cwd, timeout=300)
 
 
 def test_the_sweep_table_is_each_runs_own_report_sorted_by_the_average(sweep_dir):

@@ -5,9 +5,6 @@ world (its four tasks, tiny sizes) stands in for it."""
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -22,6 +19,8 @@ from featcal_fusionbench import FeatCalAlgorithm, ProbSurgeryAlgorithm, SurgeryA
 from featcal_fusionbench.families.openclip_vision import vision_tower
 from fusion_bench.method import TaskArithmeticAlgorithm
 from fusion_bench.utils import instantiate
+
+import commands  # tests/commands.py
 
 pytestmark = pytest.mark.slow  # the tests build a world and run both pools
 
@@ -151,10 +150,9 @@ def test_featcal_runs_through_the_cli_on_the_openclip_pool_from_the_arguments_fe
     args = fusion_bench_args("clip-quick", openclip=True)
     assert args == ["modelpool=OpenCLIPVisionModelPool/offline_clip_quick",
                     "taskpool=OpenCLIPVisionModelTaskPool/offline_clip_quick"]
-    env = {**os.environ, ENV_DIR: str(quick_world), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [str(Path(sys.executable).with_name("fusion_bench")), "method=featcal/openclip_ta",
-               "method.num_calibration_examples=8", "method.return_upstream=true", *args, f"path.log_dir={tmp_path}"]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = commands.run("fusion_bench", "method=featcal/openclip_ta", "method.num_calibration_examples=8",
+                        "method.return_upstream=true", *args, f"path.log_dir={tmp_path}", cwd=tmp_path,
+                        env={**os.environ, ENV_DIR: str(quick_world)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     report = json.loads(next(tmp_path.rglob("program_report.json")).read_text())
     for model in ("upstream", "featcal"):

@@ -4,10 +4,7 @@ the runner resumes and reuses upstream merged models, the renderer writes paper 
 import copy
 import importlib.util
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +29,9 @@ from featcal_experiments.reproduce.paper import PAPER
 from featcal_experiments.reproduce.render import build_table, csv_text, latex, markdown, scores, write_tables
 from featcal_experiments.reproduce.runner import Runner, collect, load_result, world_build
 
+import commands  # tests/commands.py (conftest puts tests/ on the path)
+
 REPO = Path(__file__).resolve().parents[2]
-FUSION_BENCH = str(Path(sys.executable).with_name("fusion_bench"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 PAPER_MD = Path("/work/shared/paper/featcal-paper.md")
 
@@ -441,12 +439,10 @@ def test_two_commands_compose_through_the_cli_with_cfg_job(tmp_path):
     picks = [catalog.select(["11"], ["adamerging+probsurgery"])[0].runs[0],
              catalog.select(["3"], ["large/finetuned/glue-cola"])[0].runs[0],
              catalog.select(["4"], ["llama3.1-8b/ta+featcal"])[0].runs[0]]
-    env = {**os.environ, **OFFLINE}
-    procs = [subprocess.Popen([FUSION_BENCH, *run.args, "--cfg", "job"], cwd=tmp_path, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for run in picks]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-3000:]
+    done = [commands.run("fusion_bench", *run.args, "--cfg", "job", cwd=tmp_path, timeout=300) for run in picks]
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    outputs = [proc.stdout for proc in done]
     assert f"merged_model_path: {tmp_path.resolve()}/l14-20/adamerging/merged" in outputs[0]
     assert "base_model: openai/clip-vit-large-patch14" in outputs[0]
     assert "_pretrained_: ${.glue-cola}" in outputs[1]

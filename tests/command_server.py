@@ -1,0 +1,68 @@
+"""A process that has imported the console scripts' modules and forks a child for each command it is sent
+(``commands.run``): the child is that command's process, less the 6-9 s each `fusion_bench` spends importing torch,
+Lightning, transformers and FusionBench before it reads its first argument.
+
+Protocol, one JSON line each way on stdin / stdout: a request ``{"script", "argv", "cwd", "env", "stdout", "stderr"}``, a
+reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server never runs a command
+itself, so no thread or device state exists when it forks; EOF on stdin ends it.
+"""
+
+import importlib
+import json
+import os
+import sys
+import threading
+
+#: console script -> (module, function), as the installed scripts in the interpreter's bin folder call them
+ENTRY_POINTS = {
+    "fusion_bench": ("fusion_bench.scripts.cli", "_hydra_main"),
+    "featcal-report": ("featcal_fusionbench.reports.cli", "main"),
+}
+
+#: imported too, beyond the scripts' own modules: what nearly every command imports once it has its configuration
+PRELOAD = ("fusion_bench.programs.fabric_fusion_program", "featcal_fusionbench.integration.algorithm",
+           "featcal_fusionbench.baselines.algorithm", "datasets")
+
+
+def child(request: dict, entry) -> None:
+    """Become the command's process: its folder, arguments and output files (over the protocol's stdin and stdout),
+    then exit as the script does."""
+    os.setsid()  # a group of its own: a timed-out command is killed with whatever it started
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    os.environ.clear()
+    os.environ.update(request["env"])  # the server's, but for what differs in each test (``commands.RUN_TIME``)
+    os.chdir(request["cwd"])
+    sys.argv = list(request["argv"])
+    sys.exit(entry())  # unwinds to the interpreter's own exit: atexit handlers and stream flushes as in a process
+
+
+def main() -> None:
+    # a script's first path entry is its own folder: the console script's is the interpreter's bin folder
+    sys.path[0] = os.path.dirname(sys.executable)
+    entries = {}
+    for script, (module, function) in ENTRY_POINTS.items():
+        entries[script] = getattr(importlib.import_module(module), function)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    if threading.active_count() != 1:  # a fork copies only the forking thread: another's locks would never open
+        sys.exit(f"command_server: the imports started threads {threading.enumerate()}; run the commands unforked")
+    requests, replies = sys.stdin, sys.stdout
+    for line in requests:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            child(request, entries[request["script"]])
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Run the product's console scripts (`fusion_bench`, `featcal-report`) as the tests' commands.
+
+Each command is a process of its own, as a user's is, but forked from a server (``command_server.py``, one per test
+process) that imported the scripts' modules once, when the command's environment is the server's: a module may
+read its environment when it is imported (huggingface_hub's endpoint and cache, the offline switches, PYTHONPATH),
+so a command with any other environment is started from scratch (``subprocess.run``), as is everything but the two
+scripts. A forked command and a started one differ only in when the imports happened.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from command_server import ENTRY_POINTS
+
+BIN = Path(sys.executable).parent
+#: variables read when used, never at import: a command may set them to its own values and still be forked
+RUN_TIME = ("PYTEST_CURRENT_TEST", "FEATCAL_WORLDS_DIR")
+#: what the CLI tests add to the environment: hub access is off unless a test serves a hub of its own
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+class _Server:
+    def __init__(self, env: Mapping[str, str]):
+        self.env = dict(env)
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("command_server.py"))],
+                                        env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        bufsize=1)
+        self.pending = b""  # read from the server, not yet a whole line (a file object's buffer would hide it
+        # from select)
+
+    def reply(self, timeout: Optional[float]) -> Optional[dict]:
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the command server exited ({self.process.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        return {k: v for k, v in env.items() if k not in RUN_TIME} == self.env
+
+    def run(self, script: str, argv: Sequence[str], cwd, env, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="command-") as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            request = {"script": script, "argv": [str(BIN / script), *argv], "cwd": str(cwd), "env": dict(env),
+                       "stdout": str(out), "stderr": str(err)}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            pid = self.reply(60)["pid"]
+            done = self.reply(timeout)
+            if done is None:
+                os.killpg(pid, signal.SIGKILL)
+                self.reply(60)
+            output = out.read_text(errors="replace"), err.read_text(errors="replace")
+        if done is None:
+            raise subprocess.TimeoutExpired([script, *argv], timeout, *output)
+        return subprocess.CompletedProcess([script, *argv], done["returncode"], *output)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(60)
+
+
+_server: Optional[_Server] = None
+
+
+def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, timeout: float = 600,
+        offline: bool = True) -> subprocess.CompletedProcess:
+    """``script`` (a console script of this interpreter) with ``args`` in ``cwd``, its output captured as text; the
+    environment is ``env`` (default: this process's) with the offline switches where ``offline``."""
+    global _server
+    env = {**(os.environ if env is None else env), **(OFFLINE if offline else {})}
+    cwd = os.getcwd() if cwd is None else cwd
+    args = [str(a) for a in args]
+    if script in ENTRY_POINTS and os.environ.get("FEATCAL_TEST_FORK", "1") != "0":
+        if _server is None:
+            _server = _Server({k: v for k, v in {**os.environ, **OFFLINE}.items() if k not in RUN_TIME})
+            atexit.register(_server.close)
+        if _server.serves(env):
+            return _server.run(script, args, cwd, env, timeout)
+    return subprocess.run([str(BIN / script), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

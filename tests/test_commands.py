@@ -1,0 +1,33 @@
+"""The tests' runner of console scripts (``commands.py``): a forked command does what a started one does."""
+
+import os
+import subprocess
+
+import pytest
+
+import commands
+
+pytestmark = pytest.mark.slow  # starts fusion_bench from scratch once
+
+
+def test_a_forked_command_prints_and_exits_as_a_started_one(tmp_path):
+    args = ["--cfg", "job", "method=featcal", "method.lambda_=0.01"]
+    forked = commands.run("fusion_bench", *args, cwd=tmp_path)
+    assert commands._server is not None and commands._server.serves({**os.environ, **commands.OFFLINE})
+    started = subprocess.run([str(commands.BIN / "fusion_bench"), *args], cwd=tmp_path,
+                             env={**os.environ, **commands.OFFLINE}, capture_output=True, text=True, timeout=600)
+    assert (forked.returncode, forked.stdout) == (started.returncode, started.stdout) == (0, started.stdout)
+    assert "lambda_: 0.01" in forked.stdout
+
+    failed = commands.run("fusion_bench", "method=featcal", "method.alpha=1.5", "modelpool=nothing", cwd=tmp_path)
+    assert failed.returncode == 1 and "Could not find 'modelpool/nothing'" in failed.stderr
+
+
+def test_a_run_time_variable_is_the_commands_own_and_an_import_time_one_starts_a_process(tmp_path):
+    probe = commands.run("fusion_bench", "--cfg", "job", "--resolve", "+probe=${oc.env:FEATCAL_WORLDS_DIR}",
+                         cwd=tmp_path, env={**os.environ, "FEATCAL_WORLDS_DIR": str(tmp_path / "worlds")})
+    assert probe.returncode == 0 and f"probe: {tmp_path / 'worlds'}" in probe.stdout, probe.stderr[-2000:]
+    report = commands.run("featcal-report", "sweep", "runs", cwd=tmp_path)
+    assert report.returncode != 0 and "featcal-report sweep: runs: no such folder" in report.stderr
+    assert commands._server.serves({**os.environ, **commands.OFFLINE, "FEATCAL_WORLDS_DIR": "elsewhere"})
+    assert not commands._server.serves({**os.environ, **commands.OFFLINE, "HF_ENDPOINT": "http://127.0.0.1:9"})
