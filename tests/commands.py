@@ -79,6 +79,16 @@ class _Server:
 _server: Optional[_Server] = None
 
 
+def _log_unforked(env: Mapping[str, str]) -> None:
+    """With FEATCAL_TEST_FORK_LOG set, name the variables that kept a command from being forked (a file to read
+    when the suite is slower than it should be)."""
+    path = os.environ.get("FEATCAL_TEST_FORK_LOG")
+    if path:
+        keys = sorted(k for k in {*env, *_server.env} - set(RUN_TIME) if env.get(k) != _server.env.get(k))
+        with open(path, "a") as log:
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {keys}\n")
+
+
 def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, timeout: float = 600,
         offline: bool = True) -> subprocess.CompletedProcess:
     """``script`` (a console script of this interpreter) with ``args`` in ``cwd``, its output captured as text; the
@@ -93,5 +103,6 @@ def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, t
             atexit.register(_server.close)
         if _server.serves(env):
             return _server.run(script, args, cwd, env, timeout)
+        _log_unforked(env)
     return subprocess.run([str(BIN / script), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 from safetensors.torch import load_file
-from test_cli import FUSION_BENCH, OFFLINE, fusion_bench, toy_args
+from commands import BIN, OFFLINE
+from test_cli import fusion_bench, toy_args
 
 pytestmark = pytest.mark.slow  # three fusion_bench processes
 
@@ -49,7 +50,7 @@ def test_a_sigkilled_out_of_core_run_resumes_bit_for_bit(toy_world, tmp_path):
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(SLOW_BLOCKS)
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(hooks), "FEATCAL_TEST_BLOCK_PAUSE": "30"}
-    run = subprocess.Popen([FUSION_BENCH, *command(out, log_dir)], cwd=tmp_path, env=env, start_new_session=True,
+    run = subprocess.Popen([str(BIN / "fusion_bench"), *command(out, log_dir)], cwd=tmp_path, env=env, start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = partial_folder(out)
     deadline = time.time() + 300
