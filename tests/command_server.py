@@ -2,9 +2,10 @@
 (``commands.run``): the child is that command's process, less the 6-9 s each `fusion_bench` spends importing torch,
 Lightning, transformers and FusionBench before it reads its first argument.
 
-Protocol, one JSON line each way on stdin / stdout: a request ``{"script", "argv", "cwd", "env", "stdout", "stderr"}``, a
-reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server never runs a command
-itself, so no thread or device state exists when it forks; EOF on stdin ends it.
+Protocol, one JSON line each way on stdin / stdout: first, once imported, ``{"set_by_imports"}`` (the variables
+the imports set, which the children get too); then for each command a request ``{"script", "argv", "cwd", "env",
+"stdout", "stderr"}``, a reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server
+never runs a command itself, so no thread or device state exists when it forks; EOF on stdin ends it.
 """
 
 import importlib
@@ -21,7 +22,7 @@ ENTRY_POINTS = {
 
 #: imported too, beyond the scripts' own modules: what nearly every command imports once it has its configuration
 PRELOAD = ("fusion_bench.programs.fabric_fusion_program", "featcal_fusionbench.integration.algorithm",
-           "featcal_fusionbench.baselines.algorithm", "datasets")
+           "featcal_fusionbench.baselines.algorithm", "datasets", "fusion_bench.taskpool.clip_vision.taskpool")
 
 
 def child(request: dict, entry) -> None:
@@ -44,6 +45,7 @@ def child(request: dict, entry) -> None:
 def main() -> None:
     # a script's first path entry is its own folder: the console script's is the interpreter's bin folder
     sys.path[0] = os.path.dirname(sys.executable)
+    before = dict(os.environ)
     entries = {}
     for script, (module, function) in ENTRY_POINTS.items():
         entries[script] = getattr(importlib.import_module(module), function)
@@ -52,6 +54,9 @@ def main() -> None:
     if threading.active_count() != 1:  # a fork copies only the forking thread: another's locks would never open
         sys.exit(f"command_server: the imports started threads {threading.enumerate()}; run the commands unforked")
     requests, replies = sys.stdin, sys.stdout
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    replies.write(json.dumps({"set_by_imports": set_by_imports}) + "\n")
+    replies.flush()
     for line in requests:
         request = json.loads(line)
         pid = os.fork()

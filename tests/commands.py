@@ -31,12 +31,15 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 class _Server:
     def __init__(self, env: Mapping[str, str]):
-        self.env = dict(env)
+        self.env = _import_time(env)
         self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("command_server.py"))],
                                         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                         bufsize=1)
         self.pending = b""  # read from the server, not yet a whole line (a file object's buffer would hide it
         # from select)
+        # torch, transformers and tokenizers set variables when imported (KMP_*, TOKENIZERS_PARALLELISM, ...): a
+        # started command's imports would set the same, and a test process that imported them holds them too
+        self.set_by_imports = self.reply(600)["set_by_imports"]
 
     def reply(self, timeout: Optional[float]) -> Optional[dict]:
         fd = self.process.stdout.fileno()
@@ -51,13 +54,21 @@ class _Server:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
+    def differences(self, env: Mapping[str, str]) -> list:
+        """The variables that keep a command with ``env`` from being forked: those not as the server's (one its imports
+        set may be absent, as in a process that has not imported them yet)."""
+        own, imported = _import_time(env), self.set_by_imports
+        return sorted(k for k in {*own, *self.env, *imported}
+                      if (own.get(k, imported[k]) != imported[k] if k in imported else own.get(k) != self.env.get(k)))
+
     def serves(self, env: Mapping[str, str]) -> bool:
-        return {k: v for k, v in env.items() if k not in RUN_TIME} == self.env
+        return not self.differences(env)
 
     def run(self, script: str, argv: Sequence[str], cwd, env, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="command-") as folder:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
-            request = {"script": script, "argv": [str(BIN / script), *argv], "cwd": str(cwd), "env": dict(env),
+            request = {"script": script, "argv": [str(BIN / script), *argv], "cwd": str(cwd),
+                       "env": {**env, **self.set_by_imports},
                        "stdout": str(out), "stderr": str(err)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -79,12 +90,16 @@ class _Server:
 _server: Optional[_Server] = None
 
 
+def _import_time(env: Mapping[str, str]) -> dict:
+    return {k: v for k, v in env.items() if k not in RUN_TIME}
+
+
 def _log_unforked(env: Mapping[str, str]) -> None:
     """With FEATCAL_TEST_FORK_LOG set, name the variables that kept a command from being forked (a file to read
     when the suite is slower than it should be)."""
     path = os.environ.get("FEATCAL_TEST_FORK_LOG")
     if path:
-        keys = sorted(k for k in {*env, *_server.env} - set(RUN_TIME) if env.get(k) != _server.env.get(k))
+        keys = _server.differences(env)
         with open(path, "a") as log:
             log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {keys}\n")
 
@@ -99,7 +114,7 @@ def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, t
     args = [str(a) for a in args]
     if script in ENTRY_POINTS and os.environ.get("FEATCAL_TEST_FORK", "1") != "0":
         if _server is None:
-            _server = _Server({k: v for k, v in {**os.environ, **OFFLINE}.items() if k not in RUN_TIME})
+            _server = _Server({**os.environ, **OFFLINE})
             atexit.register(_server.close)
         if _server.serves(env):
             return _server.run(script, args, cwd, env, timeout)
