@@ -1,10 +1,10 @@
 """Run the product's console scripts (`fusion_bench`, `featcal-report`) as the tests' commands.
 
 Each command is a process of its own, as a user's is, but forked from a server (``command_server.py``, one per test
-process) that imported the scripts' modules once, when the command's environment is the server's: a module may
-read its environment when it is imported (huggingface_hub's endpoint and cache, the offline switches, PYTHONPATH),
-so a command with any other environment is started from scratch (``subprocess.run``), as is everything but the two
-scripts. A forked command and a started one differ only in when the imports happened.
+process, and one for each environment a group of tests names with ``serving``) that imported the scripts' modules
+once, when the command's environment is the server's: a module may read its environment when it is imported
+(huggingface_hub's endpoint and cache, the offline switches, PYTHONPATH), so a command with any other environment
+is started from scratch (``subprocess.run``), as is everything but the two scripts. A forked command and a started one differ only in when the imports happened.
 """
 
 from __future__ import annotations
@@ -17,14 +17,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, List, Mapping, Optional, Sequence
 
 from command_server import ENTRY_POINTS
 
 BIN = Path(sys.executable).parent
 #: variables read when used, never at import: a command may set them to its own values and still be forked
-RUN_TIME = ("PYTEST_CURRENT_TEST", "FEATCAL_WORLDS_DIR")
+RUN_TIME = (
+    "PYTEST_CURRENT_TEST", "FEATCAL_WORLDS_DIR",
+    "HF_TOKEN",  # huggingface_hub 0.36.2 reads it at each request (utils/_auth.py, _get_token_from_environment)
+    "MASTER_PORT",  # Lightning's environment reads it when Fabric launches (fabric/plugins/environments/lightning.py);
+    # a test that ran Fabric in its own process leaves it set there
+    "HF_XET_HIGH_PERFORMANCE",  # set by importing lm_eval (its __init__.py), read by hf_xet when it downloads
+)
 #: what the CLI tests add to the environment: hub access is off unless a test serves a hub of its own
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -87,21 +94,42 @@ class _Server:
         self.process.wait(60)
 
 
-_server: Optional[_Server] = None
+_server: Optional[_Server] = None  # for the tests' usual environment, this process's with the offline switches
+_extra: List[_Server] = []  # for the environments of ``serving``
 
 
 def _import_time(env: Mapping[str, str]) -> dict:
     return {k: v for k, v in env.items() if k not in RUN_TIME}
 
 
-def _log_unforked(env: Mapping[str, str]) -> None:
+def _forking() -> bool:
+    return os.environ.get("FEATCAL_TEST_FORK", "1") != "0"
+
+
+@contextmanager
+def serving(env: Mapping[str, str]) -> Iterator[Optional[_Server]]:
+    """While the context lasts, fork the commands whose environment is ``env`` from a server of their own (one
+    started with ``env``): for a group of tests that share an import-time environment other than the usual one, such
+    as the hub-mirror tests' endpoint and ``HF_HOME``. Yields the server (None where forking is off)."""
+    if not _forking():
+        yield None
+        return
+    server = _Server(env)
+    _extra.append(server)
+    try:
+        yield server
+    finally:
+        _extra.remove(server)
+        server.close()
+
+
+def _log_unforked(env: Mapping[str, str], servers: Sequence[_Server]) -> None:
     """With FEATCAL_TEST_FORK_LOG set, name the variables that kept a command from being forked (a file to read
     when the suite is slower than it should be)."""
     path = os.environ.get("FEATCAL_TEST_FORK_LOG")
     if path:
-        keys = _server.differences(env)
         with open(path, "a") as log:
-            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {keys}\n")
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {[s.differences(env) for s in servers]}\n")
 
 
 def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, timeout: float = 600,
@@ -112,12 +140,15 @@ def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, t
     env = {**(os.environ if env is None else env), **(OFFLINE if offline else {})}
     cwd = os.getcwd() if cwd is None else cwd
     args = [str(a) for a in args]
-    if script in ENTRY_POINTS and os.environ.get("FEATCAL_TEST_FORK", "1") != "0":
-        if _server is None:
-            _server = _Server({**os.environ, **OFFLINE})
-            atexit.register(_server.close)
-        if _server.serves(env):
-            return _server.run(script, args, cwd, env, timeout)
-        _log_unforked(env)
+    if script in ENTRY_POINTS and _forking():
+        served = [s for s in _extra if s.serves(env)]
+        if not served:
+            if _server is None:
+                _server = _Server({**os.environ, **OFFLINE})
+                atexit.register(_server.close)
+            served = [_server] if _server.serves(env) else []
+        if served:
+            return served[0].run(script, args, cwd, env, timeout)
+        _log_unforked(env, [_server, *_extra])
     return subprocess.run([str(BIN / script), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -34,15 +34,16 @@ def test_a_run_time_variable_is_the_commands_own_and_an_import_time_one_starts_a
 
 
 def test_variables_the_imports_set_in_the_test_process_still_fork_and_reach_the_command(tmp_path):
-    commands.run("fusion_bench", "--cfg", "job", cwd=tmp_path)
-    imported = commands._server.set_by_imports
-    assert "KMP_INIT_AT_FORK" in imported  # set by importing torch, which every fusion_bench command does
-    as_after_imports = {**os.environ, **commands.OFFLINE, **imported}
-    assert commands._server.serves(as_after_imports)
-    assert not commands._server.serves({**as_after_imports, "KMP_INIT_AT_FORK": "TRUE"})
-    args = ["--cfg", "job", "--resolve", "+probe=${oc.env:KMP_INIT_AT_FORK,unset}"]
-    forked = commands.run("fusion_bench", *args, cwd=tmp_path, env=as_after_imports)
-    started = subprocess.run([str(commands.BIN / "fusion_bench"), *args], cwd=tmp_path,
-                             env={**os.environ, **commands.OFFLINE}, capture_output=True, text=True, timeout=600)
-    probe = f"probe: '{imported['KMP_INIT_AT_FORK']}'"  # the resolved config holds a timestamp: compare the probe
+    # a server started where torch has not been imported yet (this process may have imported it: conftest.py)
+    before_torch = {k: v for k, v in {**os.environ, **commands.OFFLINE}.items() if not k.startswith("KMP_")}
+    with commands.serving(before_torch) as server:
+        assert "KMP_INIT_AT_FORK" in server.set_by_imports  # set by importing torch, as every fusion_bench does
+        after_torch = {**before_torch, **server.set_by_imports}
+        assert server.serves(before_torch) and server.serves(after_torch)
+        assert not server.serves({**after_torch, "KMP_INIT_AT_FORK": "TRUE"})
+        args = ["--cfg", "job", "--resolve", "+probe=${oc.env:KMP_INIT_AT_FORK,unset}"]
+        forked = commands.run("fusion_bench", *args, cwd=tmp_path, env=before_torch)
+    started = subprocess.run([str(commands.BIN / "fusion_bench"), *args], cwd=tmp_path, env=before_torch,
+                             capture_output=True, text=True, timeout=600)
+    probe = f"probe: '{server.set_by_imports['KMP_INIT_AT_FORK']}'"  # the config holds a timestamp: compare the probe
     assert probe in forked.stdout and probe in started.stdout

@@ -349,3 +349,24 @@ def test_baselines_at_zero_steps_evaluate_exactly_like_the_upstream_model(surger
     key = cls.method_name.lower()
     assert out[key].is_surgery_model
     assert scores(out[key]) == scores(out["upstream"])
+
+
+def test_the_clip_family_reads_a_pools_processor_once_for_all_its_tasks():
+    from datasets import Dataset
+    from PIL import Image
+
+    class Pool:
+        loads = 0
+
+        def load_processor(self):
+            Pool.loads += 1
+            return lambda image: torch.full((3, 2, 2), float(image.getpixel((0, 0))[0]))
+
+    images = Dataset.from_dict({"image": [Image.new("RGB", (2, 2), (v, 0, 0)) for v in (1, 2, 3)], "label": [0, 1, 0]})
+    family, pool = CLIPVisionFamily(), Pool()
+    for _task in range(3):
+        batches = [b[:, 0, 0, 0].tolist() for b in family.batches(pool, images, batch_size=2)]
+        assert batches == [[1.0, 2.0], [3.0]]
+    assert Pool.loads == 1
+    list(family.batches(Pool(), images, batch_size=2))  # another pool: its own processor
+    assert Pool.loads == 2

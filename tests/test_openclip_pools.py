@@ -172,6 +172,8 @@ def test_the_pool_builds_quickgelu_encoders_and_loads_the_pickled_and_state_dict
         torch.testing.assert_close(base(images), tiny_pool["base"](images), rtol=0, atol=0)
     saved = torch.load(tiny_pool["root"] / f"{TASKS[0]}.pt", weights_only=True)
     assert all(torch.equal(v, saved[k]) for k, v in expert.state_dict().items())
+    # built without initializing the weights the checkpoint overwrites: the one buffer it does not hold is built
+    assert torch.equal(expert.model.attn_mask, tiny_pool["base"].model.attn_mask)
     OpenCLIPVisionFamily().check_models(pool, base)  # no mismatch
     # the data transform is the built encoder's evaluation transform (OpenAI's normalisation)
     assert pool.test_processor is base.val_preprocess

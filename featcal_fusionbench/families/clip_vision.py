@@ -149,8 +149,16 @@ class CLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
     def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Tensor]:
         from fusion_bench.dataset.image_dataset import ImageClassificationDataset
 
-        images = batch_loader(ImageClassificationDataset(ImagesOnly(dataset), modelpool.load_processor()), batch_size, shuffle, seed)
+        images = batch_loader(ImageClassificationDataset(ImagesOnly(dataset), self._processor(modelpool)), batch_size,
+                              shuffle, seed)
         return (pixel_values for pixel_values, _labels in images)
+
+    def _processor(self, modelpool):
+        # FusionBench 0.2.33's CLIPVisionModelPool.load_processor reads the processor anew at each call (half a
+        # second, its tokenizer included): read once per pool, not once per task
+        if getattr(self, "_processor_of", (None,))[0] is not modelpool:
+            self._processor_of = (modelpool, modelpool.load_processor())
+        return self._processor_of[1]
 
     def feature_site(self, modelpool, model):
         return CLIPImageFeatureSite(modelpool)

@@ -36,6 +36,7 @@ from fusion_bench.taskpool.openclip_vision.openclip_taskpool import (
     OpenCLIPVisionModelTaskPool,  # noqa: E402
 )
 from fusion_bench.utils.expr import is_expr_match  # noqa: E402
+from transformers.modeling_utils import no_init_weights  # noqa: E402
 
 from ..families.openclip_vision import trained_with_quick_gelu  # noqa: E402
 from ..models.task_switch import active_task  # noqa: E402
@@ -116,7 +117,10 @@ class OpenCLIPPool(OpenCLIPVisionModelPool):
             read = lambda: torch.load(entry["state_dict_path"], map_location="cpu", weights_only=True)  # noqa: E731
         else:
             return super().load_model(model_name_or_config, *args, **kwargs)
-        encoder = CheckpointImageEncoder(entry["model_name"])  # a bad name fails before the checkpoint is read
+        # a bad name fails before the checkpoint is read; the strict load below overwrites every parameter and
+        # stored buffer, so their random initialization (most of the build's time) is skipped
+        with no_init_weights():
+            encoder = CheckpointImageEncoder(entry["model_name"])
         encoder.load_state_dict(read())
         # FusionBench's own branch for a built module: it keeps the first encoder's transforms for the data.
         return super().load_model(encoder, *args, **kwargs)
