@@ -135,7 +135,6 @@ def test_lm_eval_tasks_score_the_base_with_the_world_scorers(mini_world):
     sample's metric is what the world's own scorer gives its completion."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     worlds, _ = mini_world
@@ -143,7 +142,7 @@ def test_lm_eval_tasks_score_the_base_with_the_world_scorers(mini_world):
     tokenizer = AutoTokenizer.from_pretrained(root / "pretrained")
     model = AutoModelForCausalLM.from_pretrained(root / "pretrained", dtype=torch.float32).eval()
     names = {llm_eval.task_name(t): t for t in MINI.tasks}
-    manager = TaskManager(include_path=str(root / "tasks"), include_defaults=False)
+    manager = llm_eval.world_task_manager(root / "tasks")
     out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4), tasks=list(names),
                           task_manager=manager, apply_chat_template=True, confirm_run_unsafe_code=True, limit=2,
                           log_samples=True)

@@ -32,7 +32,6 @@ from featcal_experiments.reproduce.runner import Runner, collect, load_result, w
 import commands  # tests/commands.py (conftest puts tests/ on the path)
 
 REPO = Path(__file__).resolve().parents[2]
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 PAPER_MD = Path("/work/shared/paper/featcal-paper.md")
 
 
@@ -309,7 +308,7 @@ def composer(tmp_path_factory):
     from featcal_experiments.worlds.llm_world import LLM_WORLD, write_configs
 
     mp = pytest.MonkeyPatch()
-    for key, value in OFFLINE.items():
+    for key, value in commands.OFFLINE.items():
         mp.setenv(key, value)
     # the LLM world's pool configs, as its build writes them (composing reads no model or data)
     worlds = tmp_path_factory.mktemp("worlds")

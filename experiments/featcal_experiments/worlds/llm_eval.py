@@ -114,20 +114,25 @@ def write_jsonl(path: Path, rows: List[Dict]) -> None:
             handle.write(json.dumps(row) + "\n")
 
 
+def world_task_manager(include_path: Path):
+    """lm-eval's ``TaskManager`` over the world's task folder alone: the world's task files are self-contained, so
+    lm-eval's own ~14,000 (8-20 s to index on 2 cores) are left out of the index."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include_path), include_defaults=False)
+
+
 def evaluate(model, tokenizer, include_path: Path, tasks: Sequence[str], split: str = "test",
              batch_size: int = 8, limit: Optional[int] = None, task_manager=None) -> Dict[str, float]:
     """Score ``model`` on the world's tasks through ``lm_eval.simple_evaluate``: task -> score in [0, 1].
-    ``task_manager``: a ``TaskManager`` over ``include_path`` to reuse. The world's task files are self-contained, so
-    lm-eval's own ~14,000 (8-20 s to index on 2 cores) are left out of the index."""
+    ``task_manager``: ``world_task_manager(include_path)``'s, to reuse."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     names = {task_name(task, split): task for task in tasks}
-    task_manager = task_manager or TaskManager(include_path=str(include_path), include_defaults=False)
     out = simple_evaluate(
-        model=lm, tasks=list(names), task_manager=task_manager,
+        model=lm, tasks=list(names), task_manager=task_manager or world_task_manager(include_path),
         apply_chat_template=True, confirm_run_unsafe_code=True, limit=limit, log_samples=False,
     )
     return {task: float(out["results"][name][metric_key(task)]) for name, task in names.items()}

@@ -170,10 +170,9 @@ def regime_checks(figures: Dict, tasks: Sequence[str]) -> Dict[str, bool]:
 
 
 def regime_figures(root: Path, spec: LLMWorldSpec) -> Dict:
-    from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    manager = TaskManager(include_path=str(root / "tasks"), include_defaults=False)  # the world's tasks are self-contained
+    manager = llm_eval.world_task_manager(root / "tasks")
     tokenizer = AutoTokenizer.from_pretrained(root / "pretrained")
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
     base = load(root / "pretrained")
