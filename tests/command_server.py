@@ -28,7 +28,9 @@ PRELOAD = ("fusion_bench.programs.fabric_fusion_program", "featcal_fusionbench.i
 def child(request: dict, entry) -> None:
     """Become the command's process: its folder, arguments and output files (over the protocol's stdin and stdout),
     then exit as the script does."""
-    os.setsid()  # a group of its own: a timed-out command is killed with whatever it started
+    # a process group of its own, so that a timed-out command is killed with whatever it started; not a session of
+    # its own: with autogroup scheduling a session competes with the rest of the machine as a whole
+    os.setpgid(0, 0)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):

@@ -50,7 +50,7 @@ def test_a_sigkilled_out_of_core_run_resumes_bit_for_bit(toy_world, tmp_path):
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(SLOW_BLOCKS)
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(hooks), "FEATCAL_TEST_BLOCK_PAUSE": "30"}
-    run = subprocess.Popen([str(BIN / "fusion_bench"), *command(out, log_dir)], cwd=tmp_path, env=env, start_new_session=True,
+    run = subprocess.Popen([str(BIN / "fusion_bench"), *command(out, log_dir)], cwd=tmp_path, env=env, process_group=0,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = partial_folder(out)
     deadline = time.time() + 300

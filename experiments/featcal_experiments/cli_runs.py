@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 REPORT = "program_report.json"
@@ -56,6 +56,14 @@ def made_on(run_dir: Path, world: Optional[Path]) -> bool:
     return built.is_file() and (run_dir / "command.txt").stat().st_mtime > built.stat().st_mtime
 
 
+def execute_fusion_bench(args: Sequence[str], run_dir: Path, log_path: Path, env: Dict[str, str]) -> int:
+    """Run ``fusion_bench *args`` in ``run_dir`` (FusionBench caches zero-shot heads under ``cwd/outputs/cache``) with
+    ``env``, its output to ``log_path``; return its exit status. Every run of the experiments starts here."""
+    with open(log_path, "w") as log:
+        return subprocess.run([fusion_bench_executable(), *args], cwd=run_dir, env=env, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+
+
 def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline: bool = True,
                      world: Optional[Path] = None):
     """Run ``fusion_bench *args`` in ``run_dir`` and return its program report. With ``jobs`` > 0 it is a Hydra
@@ -80,10 +88,9 @@ def run_fusion_bench(run_dir: Path, args: Sequence[str], jobs: int = 0, offline:
         shutil.rmtree(run_dir / "outputs" / "cache", ignore_errors=True)
         env = {**os.environ, **(OFFLINE_ENV if offline else {})}
         started = time.perf_counter()
-        with open(run_dir / "run.log", "w") as log:
-            result = subprocess.run([fusion_bench_executable(), *args], cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        returncode = execute_fusion_bench(args, run_dir, run_dir / "run.log", env)
         missing = [str(p) for p in reports if not p.is_file()]
-        if result.returncode != 0 or missing:
+        if returncode != 0 or missing:
             raise SystemExit(f"fusion_bench failed in {run_dir} (see run.log there): {text}")
         if world is not None:
             from .worlds.registry import build_fingerprint

@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # The experiments' tests reuse the product's test helpers (tiny models, the config-target walk).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
@@ -9,3 +11,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per pytest-xdist w
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fusion_bench_through_the_tests_runner():
+    """The experiments' `fusion_bench` runs (``cli_runs.execute_fusion_bench``) go through tests/commands.py: forked
+    from a process that imported the CLI's modules once, where the run's environment allows; the same command and
+    output otherwise (stdout, then stderr, in the run's log)."""
+    import commands
+    from featcal_experiments import cli_runs
+
+    started = cli_runs.execute_fusion_bench
+
+    def execute(args, run_dir, log_path, env):
+        if cli_runs.fusion_bench_executable() != str(commands.BIN / "fusion_bench"):  # a test's own stand-in
+            return started(args, run_dir, log_path, env)
+        done = commands.run("fusion_bench", *args, cwd=run_dir, env=env, offline=False, timeout=3600)
+        Path(log_path).write_text(done.stdout + done.stderr)
+        return done.returncode
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(cli_runs, "execute_fusion_bench", execute)
+    yield
+    patch.undo()

@@ -20,13 +20,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..cli_runs import OFFLINE_ENV, fusion_bench_executable, write_json_atomic
+from .. import cli_runs
+from ..cli_runs import OFFLINE_ENV, write_json_atomic
 from .catalog import Catalog, Row, Run, world_unavailable
 
 RESULT = "result.json"
@@ -37,12 +37,10 @@ Executor = Callable[[Sequence[str], Path, Path, Dict[str, str]], int]
 
 
 def subprocess_executor() -> Executor:
-    """Run `fusion_bench` in the run's folder (FusionBench caches zero-shot heads under ``cwd/outputs/cache``)."""
+    """Run `fusion_bench` in the run's folder (``cli_runs.execute_fusion_bench``)."""
 
     def execute(args: Sequence[str], run_dir: Path, log_path: Path, env: Dict[str, str]) -> int:
-        with open(log_path, "w") as log:
-            return subprocess.run([fusion_bench_executable(), *args], cwd=run_dir, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT).returncode
+        return cli_runs.execute_fusion_bench(args, run_dir, log_path, env)
 
     return execute
 
