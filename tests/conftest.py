@@ -12,10 +12,9 @@ NO_EXPERIMENTS = str(HERE / "no_experiments")
 sys.path.insert(0, NO_EXPERIMENTS)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [NO_EXPERIMENTS, os.environ.get("PYTHONPATH")]))
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per pytest-xdist worker: the workers share the cores
-    import torch
+import commands  # noqa: E402
 
-    torch.set_num_threads(1)
+commands.share_the_cores()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -7,10 +6,9 @@ import pytest
 # The experiments' tests reuse the product's test helpers (tiny models, the config-target walk).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per pytest-xdist worker: the workers share the cores
-    import torch
+import commands  # noqa: E402
 
-    torch.set_num_threads(1)
+commands.share_the_cores()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -18,7 +16,6 @@ def fusion_bench_through_the_tests_runner():
     """The experiments' `fusion_bench` runs (``cli_runs.execute_fusion_bench``) go through tests/commands.py: forked
     from a process that imported the CLI's modules once, where the run's environment allows; the same command and
     output otherwise (stdout, then stderr, in the run's log)."""
-    import commands
     from featcal_experiments import cli_runs
 
     started = cli_runs.execute_fusion_bench

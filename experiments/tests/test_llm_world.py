@@ -29,15 +29,24 @@ pytestmark = pytest.mark.slow  # the LLM world's fixtures build a world, and its
 MINI = LLMWorldSpec(
     sizes={"train": 16, "validation": 2, "test": 4}, finetune_steps={"math": 2, "code": 1, "instruction": 2}, finetune_batch=2,
     eval_limit=1, task_arithmetic_grid=[0.3], max_gen_toks_cap=8,
+    threads=torch.get_num_threads(),  # the test process's (one under pytest-xdist: tests/commands.share_the_cores)
 )
 
 
 @pytest.fixture(scope="module")
-def mini_world(tmp_path_factory):
-    torch.set_num_threads(2)
-    worlds = tmp_path_factory.mktemp("worlds")
-    meta = build_llm_world(worlds / "llm", MINI)
-    return worlds, meta
+def mini_world(tmp_path_factory, worker_id):
+    """Built once for all pytest-xdist workers (their recipe for a fixture that runs once: the first worker to ask
+    builds it under a lock in the folder the workers share, the others wait and read it); the tests only read it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    worlds = shared / "llm_mini_worlds"
+    with FileLock(f"{worlds}.lock"):
+        if not (worlds / "llm" / "world.json").is_file():
+            build_llm_world(worlds / "llm", MINI)
+    return worlds, json.loads((worlds / "llm" / "world.json").read_text())
 
 
 # ---- the build ---------------------------------------------------------------------------------------------------
