@@ -4,7 +4,8 @@ Each command is a process of its own, as a user's is, but forked from a server (
 process, and one for each environment a group of tests names with ``serving``) that imported the scripts' modules
 once, when the command's environment is the server's: a module may read its environment when it is imported
 (huggingface_hub's endpoint and cache, the offline switches, PYTHONPATH), so a command with any other environment
-is started from scratch (``subprocess.run``), as is everything but the two scripts. A forked command and a started one differ only in when the imports happened.
+is started from scratch (``subprocess.run``), as is everything but the two scripts. A forked command and a started
+one differ only in when the imports happened.
 """
 
 from __future__ import annotations
@@ -79,8 +80,13 @@ class _Server:
         """The variables that keep a command with ``env`` from being forked: those not as the server's (one its imports
         set may be absent, as in a process that has not imported them yet)."""
         own, imported = _import_time(env), self.set_by_imports
-        return sorted(k for k in {*own, *self.env, *imported}
-                      if (own.get(k, imported[k]) != imported[k] if k in imported else own.get(k) != self.env.get(k)))
+
+        def differs(key: str) -> bool:
+            if key in imported:
+                return own.get(key, imported[key]) != imported[key]
+            return own.get(key) != self.env.get(key)
+
+        return sorted(filter(differs, {*own, *self.env, *imported}))
 
     def serves(self, env: Mapping[str, str]) -> bool:
         return not self.differences(env)
