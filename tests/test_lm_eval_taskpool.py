@@ -34,6 +34,31 @@ def test_each_task_is_scored_by_its_metric_and_averaged(tiny_llama_pool, tmp_pat
     assert saved["results"]["tiny_text"]["bits_per_byte,none"] == bits  # lm-eval's own record beside the report
 
 
+def test_the_machine_is_described_once_for_every_task_and_model(tiny_llama_pool, tmp_path, monkeypatch):
+    """lm-eval describes the machine at the end of each call (torch's collect_env, which starts `pip list`); the pool
+    calls lm-eval per task and model, so the description is made once and every task's record carries it."""
+    from torch.utils import collect_env
+
+    from featcal_fusionbench.evaluation import lm_eval_taskpool
+
+    calls = []
+
+    def describe():
+        calls.append(1)
+        return f"machine described {len(calls)} time(s)"
+
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", describe)
+    lm_eval_taskpool._describe_environment.cache_clear()
+    taskpool = tiny_taskpool(tiny_llama_pool, output_path=str(tmp_path / "lm_eval"))
+    for name in ("base", "again"):
+        taskpool.evaluate(tiny_llama_pool["base"], name=name)
+    assert len(calls) == 1
+    records = [json.loads(p.read_text()) for p in sorted((tmp_path / "lm_eval").glob("*.json"))]
+    assert len(records) == 2 and {r["pretty_env_info"] for r in records} == {"machine described 1 time(s)"}
+    assert collect_env.get_pretty_env_info is describe  # torch's own is back after each evaluation
+    lm_eval_taskpool._describe_environment.cache_clear()  # the fake is not what a later test's run describes
+
+
 @pytest.mark.slow
 def test_a_per_task_wrapper_sees_the_expert_named_for_each_task(tiny_llama_pool, tmp_path):
     """What the wrapped model's lm_head is fed during each task's evaluation carries that task's expert."""

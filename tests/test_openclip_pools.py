@@ -174,6 +174,13 @@ def test_the_pool_builds_quickgelu_encoders_and_loads_the_pickled_and_state_dict
     assert all(torch.equal(v, saved[k]) for k, v in expert.state_dict().items())
     # built without initializing the weights the checkpoint overwrites: the one buffer it does not hold is built
     assert torch.equal(expert.model.attn_mask, tiny_pool["base"].model.attn_mask)
+    # the read tensors are taken, not copied, but as the built encoder's dtype: a half-precision checkpoint loads
+    # as the float32 encoder it is loaded into
+    half = tiny_pool["root"] / "half.pt"
+    torch.save({k: v.half() if v.is_floating_point() else v for k, v in saved.items()}, half)
+    loaded = pool.load_model({"model_name": TINY, "state_dict_path": str(half)})
+    assert all(v.dtype == saved[k].dtype for k, v in loaded.state_dict().items())
+    assert all(torch.equal(v, saved[k].half().to(v.dtype)) for k, v in loaded.state_dict().items() if v.is_floating_point())
     OpenCLIPVisionFamily().check_models(pool, base)  # no mismatch
     # the data transform is the built encoder's evaluation transform (OpenAI's normalisation)
     assert pool.test_processor is base.val_preprocess

@@ -14,6 +14,7 @@ unknown task names.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -241,7 +242,7 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
         report: Dict[str, Any] = {}
         for task, spec in self.tasks.items():
             chat = self.apply_chat_template if spec["apply_chat_template"] is None else spec["apply_chat_template"]
-            with active_task(model, spec["expert"]):
+            with active_task(model, spec["expert"]), environment_described_once():
                 results = simple_evaluate(
                     model=language_model, tasks=[task], task_manager=self._task_manager,
                     num_fewshot=self.num_fewshot, limit=self.limit, gen_kwargs=self.gen_kwargs,
@@ -260,6 +261,29 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
         if name is not None:
             report["model_info"] = {"name": name}
         return report
+
+
+@contextlib.contextmanager
+def environment_described_once():
+    """lm-eval 0.4.13's ``simple_evaluate`` ends with ``add_env_info`` (lm_eval/loggers/utils.py), which calls torch's
+    ``collect_env.get_pretty_env_info``: it starts ``pip list`` and other programs (``nvidia-smi`` where there is a
+    GPU) every time, about a second here, and this pool calls lm-eval once per task and model (12 times for Table 4).
+    The machine does not change within a run: it is described once per process, and every task's record keeps the
+    same ``pretty_env_info``. ``add_env_info`` imports the function when it runs, so the module attribute is what it
+    finds."""
+    from torch.utils import collect_env
+
+    original = collect_env.get_pretty_env_info
+    collect_env.get_pretty_env_info = functools.partial(_describe_environment, original)
+    try:
+        yield
+    finally:
+        collect_env.get_pretty_env_info = original
+
+
+@functools.lru_cache(maxsize=1)
+def _describe_environment(describe) -> str:
+    return describe()
 
 
 def task_scores(results: Mapping[str, Any], task: str, metric: Optional[str]) -> Dict[str, float]:
@@ -281,4 +305,4 @@ def _lm_eval_version() -> str:
     return version("lm_eval")
 
 
-__all__ = ["LMEvalTaskPool", "parse_tasks", "require_lm_eval", "task_scores"]
+__all__ = ["LMEvalTaskPool", "environment_described_once", "parse_tasks", "require_lm_eval", "task_scores"]

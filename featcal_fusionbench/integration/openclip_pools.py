@@ -16,6 +16,7 @@ before FusionBench's OpenCLIP modules are imported: they cannot be imported othe
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
+from unittest import mock
 
 import open_clip
 import torch
@@ -117,11 +118,16 @@ class OpenCLIPPool(OpenCLIPVisionModelPool):
             read = lambda: torch.load(entry["state_dict_path"], map_location="cpu", weights_only=True)  # noqa: E731
         else:
             return super().load_model(model_name_or_config, *args, **kwargs)
-        # a bad name fails before the checkpoint is read; the strict load below overwrites every parameter and
-        # stored buffer, so their random initialization (most of the build's time) is skipped
-        with no_init_weights():
+        # a bad name fails before the checkpoint is read; the strict load below replaces every parameter and
+        # stored buffer, so their random initialization (most of the build's time) is skipped, and the read tensors
+        # are taken as they are (``assign``) rather than copied into the built ones (a ViT-B/32 is 350 MB to touch)
+        with no_init_weights(), mock.patch.object(nn.MultiheadAttention, "_reset_parameters", lambda self: None):
+            # transformers patches torch.nn.init's functions; MultiheadAttention calls the xavier_uniform_ it
+            # imported, so its own initialization is skipped here
             encoder = CheckpointImageEncoder(entry["model_name"])
-        encoder.load_state_dict(read())
+        built = encoder.state_dict()
+        state = {k: v.to(built[k].dtype) if k in built and v.dtype != built[k].dtype else v for k, v in read().items()}
+        encoder.load_state_dict(state, assign=True)
         # FusionBench's own branch for a built module: it keeps the first encoder's transforms for the data.
         return super().load_model(encoder, *args, **kwargs)
 

@@ -129,10 +129,13 @@ def evaluate(model, tokenizer, include_path: Path, tasks: Sequence[str], split: 
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from featcal_fusionbench.evaluation.lm_eval_taskpool import environment_described_once
+
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     names = {task_name(task, split): task for task in tasks}
-    out = simple_evaluate(
-        model=lm, tasks=list(names), task_manager=task_manager or world_task_manager(include_path),
-        apply_chat_template=True, confirm_run_unsafe_code=True, limit=limit, log_samples=False,
-    )
+    with environment_described_once():  # a build scores seven models
+        out = simple_evaluate(
+            model=lm, tasks=list(names), task_manager=task_manager or world_task_manager(include_path),
+            apply_chat_template=True, confirm_run_unsafe_code=True, limit=limit, log_samples=False,
+        )
     return {task: float(out["results"][name][metric_key(task)]) for name, task in names.items()}
