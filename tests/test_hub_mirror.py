@@ -25,6 +25,7 @@ import pytest
 import commands
 from hubmirror.server import HubMirror
 from hubmirror.standins import GLUE, TA8, build
+from shared_builds import built_once
 
 pytestmark = pytest.mark.slow  # the mirror's stand-ins are built, and most tests start the fusion_bench CLI
 
@@ -38,10 +39,8 @@ UNLOADED = ("tf_model.h5", "flax_model.msgpack")
 
 
 @pytest.fixture(scope="module")
-def hub_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hub")
-    build(folder)
-    return folder
+def hub_folder(tmp_path_factory, worker_id):
+    return built_once(tmp_path_factory, worker_id, "hub_mirror", build)  # each worker serves it, none writes to it
 
 
 #: mirror endpoint -> the HF_HOME folder its runs share (a forking server was started with it)

@@ -21,8 +21,11 @@ from featcal_experiments.worlds.cli import main as world_cli  # noqa: E402
 from featcal_experiments.worlds.llm_scoring import (  # noqa: E402
     code_passes, constraint_holds, final_number, math_correct, run_tests, score,
 )
-from featcal_experiments.worlds.llm_world import LLMWorldSpec, build_llm_world, regime_table  # noqa: E402
+from featcal_experiments.worlds.llm_world import (  # noqa: E402
+    LLMWorldSpec, build_llm_world, regime_table, task_vector_figures,
+)
 from featcal_experiments.worlds.registry import ENV_DIR, pool_configs  # noqa: E402
+from shared_builds import built_once  # noqa: E402  (tests/, on the path by conftest.py)
 
 pytestmark = pytest.mark.slow  # the LLM world's fixtures build a world, and its tests run lm-eval
 
@@ -35,17 +38,8 @@ MINI = LLMWorldSpec(
 
 @pytest.fixture(scope="module")
 def mini_world(tmp_path_factory, worker_id):
-    """Built once for all pytest-xdist workers (their recipe for a fixture that runs once: the first worker to ask
-    builds it under a lock in the folder the workers share, the others wait and read it); the tests only read it."""
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        shared = shared.parent
-    worlds = shared / "llm_mini_worlds"
-    with FileLock(f"{worlds}.lock"):
-        if not (worlds / "llm" / "world.json").is_file():
-            build_llm_world(worlds / "llm", MINI)
+    """Built once for all pytest-xdist workers (tests/shared_builds.py); the tests only read it."""
+    worlds = built_once(tmp_path_factory, worker_id, "llm_mini_worlds", lambda folder: build_llm_world(folder / "llm", MINI))
     return worlds, json.loads((worlds / "llm" / "world.json").read_text())
 
 
@@ -77,6 +71,25 @@ def test_experts_differ_from_the_base_in_the_decoder_layers_only(mini_world):
         assert expert.get_tensor("model.norm.weight").dtype == torch.float32
         layer_weights = {k for k in base.keys() if k.startswith("model.layers.")}
     assert changed == layer_weights  # every decoder weight trained (norms included), nothing else
+
+
+def test_task_vector_figures_are_the_norms_and_cosines_of_the_flat_layer_differences():
+    from helpers import perturbed, tiny_causal_lm  # tests/, on the path by conftest.py
+
+    base = tiny_causal_lm("llama")
+    experts = {f"t{i}": perturbed(base, 0.05, 10 + i) for i in range(3)}
+    figures = task_vector_figures(base, experts)
+    keys = [k for k in base.state_dict() if k.startswith("model.layers.")]
+    flat = {t: torch.cat([(e.state_dict()[k] - base.state_dict()[k]).flatten().double() for k in keys])
+            for t, e in experts.items()}
+    base_norm = torch.cat([base.state_dict()[k].flatten().double() for k in keys]).norm()
+    for t in experts:
+        assert figures["relative_norm"][t] == pytest.approx(float(flat[t].norm() / base_norm), rel=1e-12)
+    assert set(figures["cosine"]) == {"t0-t1", "t0-t2", "t1-t2"}
+    for pair, value in figures["cosine"].items():
+        a, b = pair.split("-")
+        expected = torch.nn.functional.cosine_similarity(flat[a], flat[b], dim=0)
+        assert value == pytest.approx(float(expected), rel=1e-9, abs=1e-12)
 
 
 def test_world_json_and_configs(mini_world, monkeypatch):

