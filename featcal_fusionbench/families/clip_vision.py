@@ -113,6 +113,8 @@ class CLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
     """Options: ``last_block_patch_token_weight`` (``LastBlockPatchWeighting``)."""
 
     name = "clip_vision"
+    #: (the pool, its processor) that ``_processor`` read last
+    _processor_of: tuple = (None, None)
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
@@ -156,7 +158,7 @@ class CLIPVisionFamily(LastBlockPatchWeighting, ModelFamily):
     def _processor(self, modelpool):
         # FusionBench 0.2.33's CLIPVisionModelPool.load_processor reads the processor anew at each call (half a
         # second, its tokenizer included): read once per pool, not once per task
-        if getattr(self, "_processor_of", (None,))[0] is not modelpool:
+        if self._processor_of[0] is not modelpool:
             self._processor_of = (modelpool, modelpool.load_processor())
         return self._processor_of[1]
 
