@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-CHILD = ("import json, resource; from featcal_fusionbench.integration.post_merging import peak_rss_bytes; "
+CHILD = ("import json, resource; from featcal_fusionbench.integration.memory import peak_rss_bytes; "
          "print(json.dumps([peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
 
 

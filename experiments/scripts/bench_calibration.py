@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from featcal_fusionbench.integration.post_merging import peak_rss_bytes
+from featcal_fusionbench.integration.memory import peak_rss_bytes
 from featcal_fusionbench.integration.reporting import machine_line
 
 ARCHS = {

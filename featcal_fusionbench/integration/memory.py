@@ -1,4 +1,5 @@
-"""``method.models_in_memory``: which models a run holds whole, and the choice made for ``auto``.
+"""``method.models_in_memory``: which models a run holds whole, and the choice made for ``auto``; and a process's
+peak resident memory, as the reports give it.
 
 - ``all``: the base, the experts and the merged model whole in memory (FusionBench's own way);
 - ``merged``: only the merged (then calibrated) model whole; the base and the experts are read a block at a time
@@ -17,6 +18,7 @@ The former flags ``lazy_loading`` (= ``merged``) and ``out_of_core`` (= ``none``
 from __future__ import annotations
 
 import logging
+import resource
 import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple
@@ -91,4 +93,17 @@ def choose(modelpool, tasks: Sequence[str], merged_streams: Callable[[], bool]) 
                       "merge and give it as method.merged_model_path to run out of core)")
 
 
-__all__ = ["AUTO_SHARE", "CHOICES", "available_bytes", "checkpoint_bytes", "choose", "resolve_setting"]
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory: the kernel's high-water mark of its address space (Linux VmHWM).
+    ``ru_maxrss`` is not that: Linux carries a parent's peak into a child across fork and exec, so a process started
+    by one that once held 11 GiB reports at least 11 GiB. Elsewhere, ``ru_maxrss``. Here, apart from FusionBench and
+    torch, so that a benchmark's parent process reads it without importing them."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+__all__ = ["AUTO_SHARE", "CHOICES", "available_bytes", "checkpoint_bytes", "choose", "peak_rss_bytes", "resolve_setting"]
+

@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import os
-import resource
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -23,6 +22,7 @@ from ..models.checks import check_checkpoint_files, check_pool_checkpoint, check
 from ..models.lazy import entry_path, load_pool_model_lazily
 from .data import check_splits
 from .hub_access import check_hub_access, fetch_only_loaded_files, hub_id, pool_sources
+from .memory import peak_rss_bytes
 from .pool_names import warn_if_nothing_is_evaluated
 from .upstream import check_upstream_source, load_merged_model
 
@@ -92,17 +92,6 @@ class PostMergingMixin:
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
         log.info("%s report saved to %s", self.method_name, path)
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak resident memory: the kernel's high-water mark of its address space (Linux VmHWM).
-    ``ru_maxrss`` is not that: Linux carries a parent's peak into a child across fork and exec, so a process started
-    by one that once held 11 GiB reports at least 11 GiB. Elsewhere, ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_memory(device) -> Dict[str, Any]:
