@@ -106,4 +106,3 @@ def peak_rss_bytes() -> int:
 
 
 __all__ = ["AUTO_SHARE", "CHOICES", "available_bytes", "checkpoint_bytes", "choose", "peak_rss_bytes", "resolve_setting"]
-
