@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --llm  # the suites cover the LLM half (lm-eval task pools, the offline LLM world)
+# Bytecode for what only the tests import (setup.sh compiles what the product imports): once, not in every process.
+unset PYTHONDONTWRITEBYTECODE
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTHON="${FEATCAL_VENV:-.venv}/bin/python"
 status=0

@@ -240,21 +240,23 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
         if results_dir is not None:
             results_dir.mkdir(parents=True, exist_ok=True)
         report: Dict[str, Any] = {}
-        for task, spec in self.tasks.items():
-            chat = self.apply_chat_template if spec["apply_chat_template"] is None else spec["apply_chat_template"]
-            with active_task(model, spec["expert"]), environment_described_once():
-                results = simple_evaluate(
-                    model=language_model, tasks=[task], task_manager=self._task_manager,
-                    num_fewshot=self.num_fewshot, limit=self.limit, gen_kwargs=self.gen_kwargs,
-                    apply_chat_template=chat, fewshot_as_multiturn=chat,
-                    confirm_run_unsafe_code=self.confirm_run_unsafe_code, log_samples=self.log_samples,
-                    random_seed=self.random_seed, numpy_random_seed=self.random_seed,
-                    torch_random_seed=self.random_seed, fewshot_random_seed=self.random_seed,
-                )
-            if results_dir is not None:
-                (results_dir / f"{task}.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable))
-            report[task] = task_scores(results, task, spec["metric"])
-            log.info("task %s: %s", task, report[task])
+        with environment_described_once():
+            for task, spec in self.tasks.items():
+                chat = self.apply_chat_template if spec["apply_chat_template"] is None else spec["apply_chat_template"]
+                with active_task(model, spec["expert"]):
+                    results = simple_evaluate(
+                        model=language_model, tasks=[task], task_manager=self._task_manager,
+                        num_fewshot=self.num_fewshot, limit=self.limit, gen_kwargs=self.gen_kwargs,
+                        apply_chat_template=chat, fewshot_as_multiturn=chat,
+                        confirm_run_unsafe_code=self.confirm_run_unsafe_code, log_samples=self.log_samples,
+                        random_seed=self.random_seed, numpy_random_seed=self.random_seed,
+                        torch_random_seed=self.random_seed, fewshot_random_seed=self.random_seed,
+                    )
+                if results_dir is not None:
+                    saved = json.dumps(results, indent=2, default=handle_non_serializable)
+                    (results_dir / f"{task}.json").write_text(saved)
+                report[task] = task_scores(results, task, spec["metric"])
+                log.info("task %s: %s", task, report[task])
         scored = [report[t]["score"] for t, spec in self.tasks.items() if spec["metric"]]
         if scored and len(scored) == len(self.tasks):
             report["average"] = {"score": sum(scored) / len(scored)}
