@@ -1,7 +1,7 @@
 """Write the bytecode of every module that our packages import, and of no other.
 
 scripts/setup.sh installs with pip's --no-compile: pip would compile all of the environment's ~19k modules, where a
-run imports ~6k (a third of a fresh setup's time here, 2026-11-27). Importing each module of the packages named on
+run imports ~6k (a sixth of a fresh setup's time here, 2026-11-27). Importing each module of the packages named on
 the command line, with bytecode writing on, compiles exactly what they import, once. The machines of this project set
 PYTHONDONTWRITEBYTECODE, under which a module without bytecode is compiled again by every process that imports it.
 """
