@@ -159,6 +159,9 @@ class HubMirror:
 class _Handler(BaseHTTPRequestHandler):
     hub: HubMirror
     protocol_version = "HTTP/1.1"
+    # Headers and body leave in two writes on a kept-alive connection: with Nagle's algorithm the body waited for the
+    # client's delayed ACK (about 40 ms a request, seconds a run; the hub's servers answer at once).
+    disable_nagle_algorithm = True
 
     def log_message(self, *args) -> None:  # the mirror's own log is the record
         pass
