@@ -4,15 +4,17 @@ Lightning, transformers and FusionBench before it reads its first argument.
 
 Protocol, one JSON line each way on stdin / stdout: first, once imported, ``{"set_by_imports"}`` (the variables
 the imports set, which the children get too); then for each command a request ``{"script", "argv", "cwd", "env",
-"stdout", "stderr"}``, a reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server
+"stdout", "stderr"}`` (``script``: a console script's name, or the path of a Python script to run as ``__main__``), a reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server
 never runs a command itself, so no thread or device state exists when it forks; EOF on stdin ends it.
 """
 
 import importlib
 import json
 import os
+import runpy
 import sys
 import threading
+from functools import partial
 
 #: console script -> (module, function), as the installed scripts in the interpreter's bin folder call them
 ENTRY_POINTS = {
@@ -23,6 +25,13 @@ ENTRY_POINTS = {
 #: imported too, beyond the scripts' own modules: what nearly every command imports once it has its configuration
 PRELOAD = ("fusion_bench.programs.fabric_fusion_program", "featcal_fusionbench.integration.algorithm",
            "featcal_fusionbench.baselines.algorithm", "datasets", "fusion_bench.taskpool.clip_vision.taskpool")
+
+
+def run_path(path: str) -> int:
+    """A Python script (``python path args``): its folder first on the path, run as ``__main__``."""
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
+    return 0
 
 
 def child(request: dict, entry) -> None:
@@ -63,7 +72,8 @@ def main() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            child(request, entries[request["script"]])
+            script = request["script"]
+            child(request, entries[script] if script in entries else partial(run_path, script))
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
         _, status = os.waitpid(pid, 0)

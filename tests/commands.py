@@ -1,10 +1,11 @@
-"""Run the product's console scripts (`fusion_bench`, `featcal-report`) as the tests' commands.
+"""Run the product's console scripts (`fusion_bench`, `featcal-report`) and the experiments' Python scripts as the
+tests' commands.
 
 Each command is a process of its own, as a user's is, but forked from a server (``command_server.py``, one per test
 process, and one for each environment a group of tests names with ``serving``) that imported the scripts' modules
 once, when the command's environment is the server's: a module may read its environment when it is imported
 (huggingface_hub's endpoint and cache, the offline switches, PYTHONPATH), so a command with any other environment
-is started from scratch (``subprocess.run``), as is everything but the two scripts. A forked command and a started
+is started from scratch (``subprocess.run``), as is every other program. A forked command and a started
 one differ only in when the imports happened.
 """
 
@@ -94,7 +95,7 @@ class _Server:
     def run(self, script: str, argv: Sequence[str], cwd, env, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="command-") as folder:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
-            request = {"script": script, "argv": [str(BIN / script), *argv], "cwd": str(cwd),
+            request = {"script": script, "argv": [_program(script), *argv], "cwd": str(cwd),
                        "env": {**env, **self.set_by_imports},
                        "stdout": str(out), "stderr": str(err)}
             self.process.stdin.write(json.dumps(request) + "\n")
@@ -116,6 +117,15 @@ class _Server:
 
 _server: Optional[_Server] = None  # for the tests' usual environment, this process's with the offline switches
 _extra: List[_Server] = []  # for the environments of ``serving``
+
+
+def _is_python_script(script: str) -> bool:
+    return script.endswith(".py")
+
+
+def _program(script: str) -> str:
+    """``argv[0]`` of ``script``: a console script's path in the interpreter's bin folder, a Python script's own."""
+    return script if _is_python_script(script) else str(BIN / script)
 
 
 def _import_time(env: Mapping[str, str]) -> dict:
@@ -154,13 +164,14 @@ def _log_unforked(env: Mapping[str, str], servers: Sequence[_Server]) -> None:
 
 def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, timeout: float = 600,
         offline: bool = True) -> subprocess.CompletedProcess:
-    """``script`` (a console script of this interpreter) with ``args`` in ``cwd``, its output captured as text; the
-    environment is ``env`` (default: this process's) with the offline switches where ``offline``."""
+    """``script`` (a console script of this interpreter, or the path of a Python script it runs) with ``args`` in
+    ``cwd``, its output captured as text; the environment is ``env`` (default: this process's) with the offline
+    switches where ``offline``."""
     global _server
     env = {**(os.environ if env is None else env), **(OFFLINE if offline else {})}
     cwd = os.getcwd() if cwd is None else cwd
     args = [str(a) for a in args]
-    if script in ENTRY_POINTS and _forking():
+    if (script in ENTRY_POINTS or _is_python_script(script)) and _forking():
         served = [s for s in _extra if s.serves(env)]
         if not served:
             if _server is None:
@@ -170,5 +181,5 @@ def run(script: str, *args, cwd=None, env: Optional[Mapping[str, str]] = None, t
         if served:
             return served[0].run(script, args, cwd, env, timeout)
         _log_unforked(env, [_server, *_extra])
-    return subprocess.run([str(BIN / script), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    program = [sys.executable, script] if _is_python_script(script) else [str(BIN / script)]
+    return subprocess.run([*program, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +22,22 @@ def test_a_forked_command_prints_and_exits_as_a_started_one(tmp_path):
 
     failed = commands.run("fusion_bench", "method=featcal", "method.alpha=1.5", "modelpool=nothing", cwd=tmp_path)
     assert failed.returncode == 1 and "Could not find 'modelpool/nothing'" in failed.stderr
+
+
+def test_a_python_script_is_forked_and_runs_as_python_would_run_it(tmp_path):
+    script = tmp_path / "scripts" / "probe.py"
+    script.parent.mkdir()
+    (script.parent / "sibling.py").write_text("VALUE = 'beside the script'\n")
+    script.write_text("import os, sys\nimport sibling\n"
+                      "print(__name__, sys.argv[1:], sibling.VALUE, os.getcwd(), os.getppid())\n"
+                      "sys.exit(3)\n")
+    forked = commands.run(str(script), "a", "b c", cwd=tmp_path)
+    started = subprocess.run([sys.executable, str(script), "a", "b c"], cwd=tmp_path, capture_output=True, text=True)
+    assert forked.returncode == started.returncode == 3, forked.stderr[-2000:]
+    *shown, parent = forked.stdout.split()
+    assert shown == started.stdout.split()[:-1] == ["__main__", "['a',", "'b", "c']", "beside", "the", "script",
+                                                    str(tmp_path)]
+    assert int(parent) == commands._server.process.pid  # forked by the server, not started by this process
 
 
 def test_a_run_time_variable_is_the_commands_own_and_an_import_time_one_starts_a_process(tmp_path):

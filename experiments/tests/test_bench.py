@@ -14,6 +14,8 @@ import torch
 from featcal_experiments.reproduce.catalog import TA8, Catalog
 from featcal_experiments.reproduce.estimate import TEST_IMAGES, by_setting, eval_seconds, table_estimate
 
+import commands  # tests/commands.py (conftest.py)
+
 pytestmark = pytest.mark.slow  # the benchmarks run calibrations in processes of their own
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,9 +80,9 @@ def test_the_llm_memory_bench_runs_every_loading_mode_at_a_tiny_llama_shape(tmp_
 
 def test_bench_rows_times_every_component_on_a_tiny_model(tmp_path):
     path = tmp_path / "rows.json"
-    subprocess.run([sys.executable, str(REPO / "experiments" / "scripts" / "bench_rows.py"), "--settings", "tiny-2", "--n", "4",
-                    "--steps", "1,2", "--eval-batches", "1", "--device", "cpu", "--json", str(path)],
-                   check=True, capture_output=True, text=True, timeout=600)
+    done = commands.run(str(REPO / "experiments" / "scripts" / "bench_rows.py"), "--settings", "tiny-2", "--n", "4",
+                        "--steps", "1,2", "--eval-batches", "1", "--device", "cpu", "--json", str(path), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     bench = json.loads(path.read_text())
     assert bench["command"].startswith("python experiments/scripts/bench_rows.py") and bench["date"] and bench["machine"]
     (out,) = bench["results"]

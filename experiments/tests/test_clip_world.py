@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,8 @@ from omegaconf import OmegaConf
 from featcal_experiments.worlds.clip_world import CLIP8, CLIP_QUICK, CLIPWorldSpec, TaskSpec, build_clip_world
 from featcal_experiments.worlds.registry import ENV_DIR, compose_pools
 from fusion_bench.utils import instantiate
+
+import commands  # tests/commands.py (conftest.py)
 
 pytestmark = pytest.mark.slow  # the tests build a world and run fusion_bench
 
@@ -130,7 +131,7 @@ def test_ablation_reports_single_and_joint_recovery_interference_and_overlap(min
     env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "ablation"
     command = [sys.executable, str(REPO / "experiments" / "scripts" / "world_ablation.py"), "--n", "8", "--out", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = commands.run(*command[1:], env=env, timeout=900)  # forked: python SCRIPT ARGS
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     world = json.loads(out.with_suffix(".json").read_text())["worlds"]["clip"]
     assert [row["tasks"] for row in world["rows"]] == [["mnist"], ["textile"], ["mnist", "textile"]]
@@ -151,7 +152,7 @@ def test_interference_report_places_the_damage_and_agrees_with_the_builds_regime
         sys.executable, str(REPO / "experiments" / "scripts" / "world_interference.py"), "--root", str(worlds / "clip"),
         "--n-train", "8", "--out", str(out),
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = commands.run(*command[1:], env=env, timeout=900)  # forked: python SCRIPT ARGS
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
     meta = json.loads((worlds / "clip" / "world.json").read_text())
@@ -205,7 +206,7 @@ def test_multitask_report_trains_one_tower_on_every_task_beside_the_builds_regim
     out = tmp_path / "multitask"
     command = [sys.executable, str(REPO / "experiments" / "scripts" / "world_multitask.py"), "--root", str(worlds / "clip"),
                "--steps-per-task", "2", "--out", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = commands.run(*command[1:], env=env, timeout=900)  # forked: python SCRIPT ARGS
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     world = json.loads((worlds / "clip" / "world.json").read_text())["figures"]
