@@ -22,8 +22,7 @@ def pytest_configure(config):
     # them could keep one worker busy for minutes while the other had run out (402 s against 288 s with one test at
     # a time, 2026-11-27). Where a marker expression names them (-m "not slow"), the chunks stay: one at a time
     # costs about 12 ms a test (the fast subset 82 s against 74 s).
-    if config.getoption("maxschedchunk", None) is None and hasattr(config.option, "maxschedchunk") \
-            and "slow" not in (config.getoption("markexpr", "") or ""):
+    if getattr(config.option, "maxschedchunk", 0) is None and "slow" not in (config.getoption("markexpr", "") or ""):
         config.option.maxschedchunk = 1
 
 
