@@ -196,16 +196,16 @@ class _Handler(BaseHTTPRequestHandler):
         if status == 200 and route == "file" and self.headers.get("Range"):
             start, end = _byte_range(self.headers["Range"], len(payload))
             status, headers = 206, {**headers, "Content-Range": f"bytes {start}-{end - 1}/{len(payload)}"}
+        # recorded before the client can read a byte of the answer: a test that reads the log after its request
+        # returned finds the request there
+        self.hub.record(Request(method, self.path, status, 0 if method == "HEAD" else end - start))
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(end - start))
         self.end_headers()
-        sent = 0
         if method != "HEAD":
             self.wfile.write(payload[start:end])
-            sent = end - start
-        self.hub.record(Request(method, self.path, status, sent))
 
     def _route(self, route: str, match: dict, query: dict, body: bytes):
         kind = match.get("kind") or "models"
