@@ -4,8 +4,9 @@ Lightning, transformers and FusionBench before it reads its first argument.
 
 Protocol, one JSON line each way on stdin / stdout: first, once imported, ``{"set_by_imports"}`` (the variables
 the imports set, which the children get too); then for each command a request ``{"script", "argv", "cwd", "env",
-"stdout", "stderr"}`` (``script``: a console script's name, or the path of a Python script to run as ``__main__``), a reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server
-never runs a command itself, so no thread or device state exists when it forks; EOF on stdin ends it.
+"stdout", "stderr"}`` (``script``: a console script's name, or the path of a Python script to run as ``__main__``),
+a reply ``{"pid"}`` once the child runs and ``{"returncode"}`` when it has exited. The server never runs a command
+itself, so no thread or device state exists when it forks; EOF on stdin ends it.
 """
 
 import importlib

@@ -130,8 +130,8 @@ def test_ablation_reports_single_and_joint_recovery_interference_and_overlap(min
     worlds, _ = mini_world
     env = {**os.environ, ENV_DIR: str(worlds), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "ablation"
-    command = [sys.executable, str(REPO / "experiments" / "scripts" / "world_ablation.py"), "--n", "8", "--out", str(out)]
-    done = commands.run(*command[1:], env=env, timeout=900)  # forked: python SCRIPT ARGS
+    command = [str(REPO / "experiments" / "scripts" / "world_ablation.py"), "--n", "8", "--out", str(out)]
+    done = commands.run(*command, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     world = json.loads(out.with_suffix(".json").read_text())["worlds"]["clip"]
     assert [row["tasks"] for row in world["rows"]] == [["mnist"], ["textile"], ["mnist", "textile"]]
@@ -149,10 +149,10 @@ def test_interference_report_places_the_damage_and_agrees_with_the_builds_regime
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "interference"
     command = [
-        sys.executable, str(REPO / "experiments" / "scripts" / "world_interference.py"), "--root", str(worlds / "clip"),
+        str(REPO / "experiments" / "scripts" / "world_interference.py"), "--root", str(worlds / "clip"),
         "--n-train", "8", "--out", str(out),
     ]
-    done = commands.run(*command[1:], env=env, timeout=900)  # forked: python SCRIPT ARGS
+    done = commands.run(*command, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
     meta = json.loads((worlds / "clip" / "world.json").read_text())
@@ -204,9 +204,9 @@ def test_multitask_report_trains_one_tower_on_every_task_beside_the_builds_regim
     worlds, _ = mini_world
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "multitask"
-    command = [sys.executable, str(REPO / "experiments" / "scripts" / "world_multitask.py"), "--root", str(worlds / "clip"),
+    command = [str(REPO / "experiments" / "scripts" / "world_multitask.py"), "--root", str(worlds / "clip"),
                "--steps-per-task", "2", "--out", str(out)]
-    done = commands.run(*command[1:], env=env, timeout=900)  # forked: python SCRIPT ARGS
+    done = commands.run(*command, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     world = json.loads((worlds / "clip" / "world.json").read_text())["figures"]
