@@ -37,3 +37,41 @@ def test_the_bytecode_of_what_our_modules_import_is_written_and_of_nothing_else(
 
     refused = compile_imports(tmp_path, "ours", write_bytecode=False)
     assert refused.returncode != 0 and "PYTHONDONTWRITEBYTECODE" in refused.stderr
+
+
+TEST_SH = Path(__file__).resolve().parents[1] / "scripts" / "test.sh"
+
+
+def run_test_sh_on_a_disk(tmp_path, free_mib: int, one_filesystem: bool):
+    """scripts/test.sh with `df` answering for a disk of ``free_mib`` free: one filesystem for everything, or one per
+    folder asked about (the venv's parent and the temporary folder apart)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mount = '"/disk"' if one_filesystem else '"${@: -1}"'
+    (bin_dir / "df").write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "Filesystem 1024-blocks Used Available Capacity Mounted on"\n'
+        f'echo "stub 999999999 0 {free_mib * 1024} 0% "{mount}\n'
+    )
+    (bin_dir / "df").chmod(0o755)
+    venv = tmp_path / "venv"
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FEATCAL_VENV": str(venv),
+           "TMPDIR": str(tmp_path / "tmp")}
+    done = subprocess.run(["bash", str(TEST_SH), "-k", "nothing"], env=env, capture_output=True, text=True, timeout=60)
+    return done, venv
+
+
+def test_the_tests_refuse_a_disk_too_small_in_one_line_before_setting_anything_up(tmp_path):
+    done, venv = run_test_sh_on_a_disk(tmp_path, free_mib=8000, one_filesystem=True)
+    assert done.returncode == 1 and not venv.exists(), done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"scripts/test.sh: 8000 MiB free on /disk, where the tests need about 8800 MiB (the venv {venv}: 6.4 GiB "
+        f"unless set up already; {tmp_path / 'tmp'}: 2.1 GiB)"]
+
+
+def test_the_venv_and_the_temporary_folder_on_two_disks_are_each_checked_for_their_own_need(tmp_path):
+    done, venv = run_test_sh_on_a_disk(tmp_path, free_mib=3000, one_filesystem=False)
+    assert done.returncode == 1 and not venv.exists(), done.stdout + done.stderr
+    assert f"3000 MiB free on {tmp_path}, where the tests need about 6600 MiB" in done.stderr  # the venv's parent
+    assert "tmp, where" not in done.stderr  # 2200 MiB for the temporary folder fit in 3000
