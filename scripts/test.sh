@@ -11,20 +11,22 @@ cd "$(dirname "$0")/.."
 # 2.1 GiB at their peak (the mini LLM world: four 135M-parameter checkpoints); about 100 MiB of slack each.
 VENV=${FEATCAL_VENV:-.venv}
 TMP=${TMPDIR:-/tmp}
+VENV_MIB=6600
+TMP_MIB=2200
 fs_of() {  # the mount point holding $1, or its nearest folder that exists
   local folder=$1
   while [ ! -e "$folder" ]; do folder=$(dirname "$folder"); done
   df -P "$folder" | awk 'NR==2 {print $6}'
 }
 declare -A need_mib=()
-[ -x "$VENV/bin/python" ] || need_mib[$(fs_of "$VENV")]=6600
+[ -x "$VENV/bin/python" ] || need_mib[$(fs_of "$VENV")]=$VENV_MIB
 tmp_fs=$(fs_of "$TMP")
-need_mib[$tmp_fs]=$(( ${need_mib[$tmp_fs]:-0} + 2200 ))
+need_mib[$tmp_fs]=$(( ${need_mib[$tmp_fs]:-0} + TMP_MIB ))
 for fs in "${!need_mib[@]}"; do
   free_mib=$(( $(df -Pk "$fs" | awk 'NR==2 {print $4}') / 1024 ))
   if [ "$free_mib" -lt "${need_mib[$fs]}" ]; then
     echo "scripts/test.sh: $free_mib MiB free on $fs, where the tests need about ${need_mib[$fs]} MiB" \
-      "(the venv $VENV: 6.4 GiB unless set up already; $TMP: 2.1 GiB)" >&2
+      "(the venv $VENV: $VENV_MIB unless set up already; $TMP: $TMP_MIB)" >&2
     exit 1
   fi
 done

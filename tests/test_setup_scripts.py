@@ -66,8 +66,8 @@ def test_the_tests_refuse_a_disk_too_small_in_one_line_before_setting_anything_u
     done, venv = run_test_sh_on_a_disk(tmp_path, free_mib=8000, one_filesystem=True)
     assert done.returncode == 1 and not venv.exists(), done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"scripts/test.sh: 8000 MiB free on /disk, where the tests need about 8800 MiB (the venv {venv}: 6.4 GiB "
-        f"unless set up already; {tmp_path / 'tmp'}: 2.1 GiB)"]
+        f"scripts/test.sh: 8000 MiB free on /disk, where the tests need about 8800 MiB (the venv {venv}: 6600 "
+        f"unless set up already; {tmp_path / 'tmp'}: 2200)"]
 
 
 def test_the_venv_and_the_temporary_folder_on_two_disks_are_each_checked_for_their_own_need(tmp_path):
