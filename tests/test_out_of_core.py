@@ -207,9 +207,51 @@ def test_too_little_free_disk_fails_before_calibration(tmp_path, monkeypatch):
     full = types.SimpleNamespace(total=1 << 30, used=1 << 30, free=1000)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
     monkeypatch.setattr(loop.FeatCalEngine, "run", lambda *a, **k: pytest.fail("calibration started"))
-    with pytest.raises(OSError, match=r"the calibrated model needs 0\.00 GiB and .* has 0\.00 GiB free"):
+    # sizes in the unit that shows them: the tiny model's checkpoint is some KiB, not "0.00 GiB"
+    with pytest.raises(OSError, match=r"the calibrated model needs [1-9][0-9.]* KiB and .* has 1000 B free"):
         calibrate(pool, tmp_path / "calibrated", upstream=TA_BACKBONE, models_in_memory="none")
     assert not (tmp_path / "calibrated").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_the_written_shards_are_as_readable_as_the_config_the_umask_allows(umask, tmp_path):
+    """safetensors 0.8 writes every file 0o600 (its issue #782): another account could read the config and not the
+    weights. The shards get the mode any file of the folder gets, ``0o666 & ~umask``."""
+    import os
+    import stat
+
+    pool = llama_pool(tmp_path)
+    out = tmp_path / "calibrated"
+    previous = os.umask(umask)
+    try:
+        calibrate(pool, out, upstream=TA_BACKBONE, models_in_memory="none")
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    shards = [name for name in modes if name.endswith(".safetensors")]
+    assert len(shards) == 5
+    assert {modes[name] for name in shards} == {modes["config.json"]} == {0o666 & ~umask}
+
+
+@pytest.mark.parametrize("upstream, holder", [(TA_BACKBONE, "coding"), (TA_WHOLE, "_pretrained_"),
+                                              ({"_target_": "fusion_bench.method.TiesMergingForCausalLM",
+                                                "scaling_factor": 0.3, "threshold": 20, "remove_keys": [],
+                                                "merge_func": "sum", "merge_backbone": True, "model_save_path": None},
+                                               "math")])
+def test_a_nan_in_one_checkpoint_is_named_by_the_model_that_holds_it(upstream, holder, tmp_path):
+    """Out of core the merge is computed as it is read: its non-finite tensor names the base or the expert whose
+    checkpoint holds the NaN, not the merge."""
+    from safetensors.torch import load_file, save_file
+
+    pool = llama_pool(tmp_path)
+    folder = tmp_path / ("base" if holder == "_pretrained_" else holder)
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.1.mlp.down_proj.weight"
+    tensors[key][2, 3] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    who = "the base" if holder == "_pretrained_" else f"the expert {holder!r}"
+    with pytest.raises(ValueError, match=rf"{key} in .* has non-finite values, from {who} \({folder}\)$"):
+        calibrate(pool, tmp_path / "calibrated", upstream=upstream, models_in_memory="none")
 
 
 @pytest.mark.parametrize("options, message", [

@@ -35,6 +35,33 @@ PROGRESS = "featcal_progress.json"
 LOCK = ".lock"
 
 
+def file_mode() -> int:
+    """The mode a new file gets here (0o666 less the umask), as ``open`` gives it: safetensors 0.8's ``save_file``
+    writes through a temporary file and leaves every shard 0o600 (safetensors issue #782), so another account (a
+    server, a colleague) could read the config but not the weights. Linux reports the umask in /proc; elsewhere it
+    is read by setting it and putting it back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def human_bytes(size: float) -> str:
+    """``size`` in the largest binary unit that keeps it at least 1 (a 3 MiB model is not "0.00 GiB")."""
+    units = ("KiB", "MiB", "GiB", "TiB")
+    if abs(size) < 1024:
+        return f"{size:.0f} B"
+    for unit in units:
+        size /= 1024
+        if abs(size) < 1024 or unit == units[-1]:
+            return f"{size:.2f} {unit}"
+
+
 def partial_folder(path) -> Path:
     """Where the checkpoint for ``path`` is written until it is complete."""
     path = Path(path).expanduser().absolute()
@@ -66,6 +93,7 @@ class CheckpointWriter:
         self.blocks: Dict[str, Dict[str, Any]] = {}  # recorded blocks, by index as text (JSON's keys)
         self.committed = False
         self._lock = None
+        self.file_mode = file_mode()
 
     def __enter__(self) -> "CheckpointWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +105,7 @@ class CheckpointWriter:
         if needed > free:
             raise OSError(
                 errno.ENOSPC,
-                f"{self.label} needs {needed / 2**30:.2f} GiB and {self.path.parent} has {free / 2**30:.2f} GiB free",
+                f"{self.label} needs {human_bytes(needed)} and {self.path.parent} has {human_bytes(free)} free",
             )
         if progress is None:
             self._lock_folder(fresh=True)
@@ -167,7 +195,13 @@ class CheckpointWriter:
             raise ValueError(f"tensors written twice: {repeated[:3]}")
         shard = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
         host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-        self._guard(lambda: save_file(host, str(self.temporary / shard), metadata={"format": "pt"}))
+        path = self.temporary / shard
+
+        def save():
+            save_file(host, str(path), metadata={"format": "pt"})
+            os.chmod(path, self.file_mode)
+
+        self._guard(save)
         self.weight_map.update(dict.fromkeys(host, shard))
         self.total_bytes += sum(t.nbytes for t in host.values())
         return shard
@@ -206,10 +240,10 @@ class CheckpointWriter:
                 raise OSError(
                     error.errno,
                     f"the disk filled while {self.label} was written to {self.path} "
-                    f"({self.total_bytes / 2**30:.2f} GiB written of about {self.expected_bytes / 2**30:.2f} GiB); "
+                    f"({human_bytes(self.total_bytes)} written of about {human_bytes(self.expected_bytes)}); "
                     "the partial output is removed",
                 ) from error
             raise
 
 
-__all__ = ["CheckpointWriter", "partial_folder", "read_progress"]
+__all__ = ["CheckpointWriter", "file_mode", "human_bytes", "partial_folder", "read_progress"]

@@ -171,11 +171,24 @@ def materialize(module: nn.Module, device) -> None:
         value = (values[key] if uses[key] else values.pop(key)).to(source.dtype)
         # checked a slice at a time: a whole-tensor mask of an embedding is another quarter of its float32 bytes
         if not all(bool(torch.isfinite(part).all()) for part in value.reshape(-1).split(1 << 24)):
-            raise ValueError(f"{keys[name]} in {source.tensors.folder} has non-finite values")
+            raise ValueError(non_finite_message(source.tensors, keys[name]))
         set_module_tensor_to_device(module, name, device, value=value)
     # buffers (small; rotary tables) follow the module onto the device and stay there
     for name, buffer in module.named_buffers():
         set_module_tensor_to_device(module, name, device, value=buffer)
+
+
+def non_finite_message(tensors, key: str) -> str:
+    """What to say of a tensor read with a NaN or an infinity: a merge computed as it is read (``lazy_merge``) names
+    the input checkpoint(s) that hold them, or says that the merge itself overflowed."""
+    message = f"{key} in {tensors.folder} has non-finite values"
+    inputs = getattr(tensors, "non_finite_inputs", None)
+    if inputs is None:
+        return message
+    culprits = inputs(key)
+    if not culprits:
+        return f"{message}: every input's {key} is finite, so the merge overflowed in its dtype"
+    return f"{message}, from {' and '.join(culprits)}"
 
 
 def release(module: nn.Module) -> None:

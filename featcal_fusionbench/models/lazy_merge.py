@@ -17,12 +17,12 @@ exactly, by a radix selection on the magnitudes' bits), then each tensor is merg
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Dict, Iterable, List, Mapping
+from typing import Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
 
-from .lazy import is_lazy, lazy_like, tensors_of, tied_names
+from .lazy import is_lazy, lazy_like, non_finite_message, tensors_of, tied_names
 
 
 class _MergedTensors:
@@ -31,8 +31,9 @@ class _MergedTensors:
     for the others (FusionBench's ``merge_backbone`` keeps embeddings and head from the base)."""
 
     def __init__(self, merger: str, base, experts: List, scaling_factor: float, dtypes: List[torch.dtype],
-                 merged: Callable[[str], bool]):
+                 merged: Callable[[str], bool], names: Optional[List[str]] = None):
         self.merger, self.base, self.experts, self.merged = merger, base, experts, merged
+        self.names = list(names) if names is not None else [f"expert {i + 1}" for i in range(len(experts))]
         self.scaling_factor = scaling_factor
         self.base_dtype = dtypes[0]
         if set(dtypes) != {self.base_dtype}:  # FusionBench refuses them too (state_dict_sub's "Dtype mismatch")
@@ -47,6 +48,19 @@ class _MergedTensors:
     def _merge(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def non_finite_inputs(self, key: str) -> List[str]:
+        """The input checkpoints whose ``key`` holds a NaN or an infinity, named (the base, or the expert of a task),
+        for the message of a merged tensor that is not finite; read again, so only when one is found."""
+        culprits = []
+        inputs = [("the base", self.base)]
+        if self.merged(key):  # else the merge is the base's tensor alone
+            inputs += [(f"the expert {n!r}", t) for n, t in zip(self.names, self.experts)]
+        for name, tensors in inputs:
+            value = tensors.read([key])[key]
+            if value.is_floating_point() and not all(bool(torch.isfinite(part).all()) for part in _slices(value)):
+                culprits.append(f"{name} ({tensors.folder})")
+        return culprits
+
     def _check_shape(self, key, expert, base, tensors) -> None:
         if expert.shape != base.shape:
             raise ValueError(f"{self.merger}: {key} is {tuple(expert.shape)} in {tensors.folder} and "
@@ -57,8 +71,8 @@ class TaskArithmeticTensors(_MergedTensors):
     """``base + scaling * sum_i (expert_i - base)``."""
 
     def __init__(self, base, experts: List, scaling_factor: float, dtypes: List[torch.dtype],
-                 merged: Callable[[str], bool] = lambda key: True):
-        super().__init__("Task Arithmetic", base, experts, scaling_factor, dtypes, merged)
+                 merged: Callable[[str], bool] = lambda key: True, names: Optional[List[str]] = None):
+        super().__init__("Task Arithmetic", base, experts, scaling_factor, dtypes, merged, names)
         self.folder = f"Task Arithmetic ({scaling_factor}) of {base.folder} and {len(experts)} expert(s)"
 
     def _merge(self, key: str) -> torch.Tensor:
@@ -117,10 +131,11 @@ class TiesMergingTensors(_MergedTensors):
     ``_majority_sign``); the base and every expert's copy of one tensor are held together while it is merged."""
 
     def __init__(self, base, experts: List, keys: List[str], scaling_factor: float, threshold: float,
-                 merge_func: str, dtypes: List[torch.dtype], merged: Callable[[str], bool] = lambda key: True):
+                 merge_func: str, dtypes: List[torch.dtype], merged: Callable[[str], bool] = lambda key: True,
+                 names: Optional[List[str]] = None):
         from fusion_bench.method.ties_merging.ties_merging_utils import disjoint_merge
 
-        super().__init__("TIES merging", base, experts, scaling_factor, dtypes, merged)
+        super().__init__("TIES merging", base, experts, scaling_factor, dtypes, merged, names)
         self.merge_func, self._disjoint_merge = merge_func, disjoint_merge
         if merge_func.split("-")[-1] not in ("sum", "mean", "max"):
             raise ValueError(f"TIES merging: merge_func {merge_func!r} is not sum, mean or max")
@@ -166,7 +181,7 @@ class TiesMergingTensors(_MergedTensors):
                 _, vectors = self._task_vectors(key)
                 for _, vector in vectors:
                     if not bool(torch.isfinite(vector).all()):
-                        raise ValueError(f"TIES merging: a task vector of {key} has non-finite values")
+                        raise ValueError(non_finite_message(self, key))
                     bits = vector.abs().view(bits_dtype).to(torch.int64)
                     digits = (bits >> shift) & ((1 << _DIGIT) - 1)
                     for e in range(experts):
@@ -214,7 +229,7 @@ def lazy_task_arithmetic(base: nn.Module, experts: Mapping[str, nn.Module], scal
     ``experts``, in the experts' order (the order FusionBench adds their task vectors in)."""
     sources = _lazy_sources(base, experts)
     tensors = TaskArithmeticTensors(sources[0][0], [t for t, _ in sources[1:]], scaling_factor,
-                                    [dtype for _, dtype in sources], merged)
+                                    [dtype for _, dtype in sources], merged, names=list(experts))
     return lazy_like(base, tensors)
 
 
@@ -233,7 +248,7 @@ def lazy_ties_merging(base: nn.Module, experts: Mapping[str, nn.Module], scaling
                 raise KeyError(f"{name} is not in the checkpoint {base_tensors.folder}")
             keys.append(key)
     tensors = TiesMergingTensors(base_tensors, [t for t, _ in sources[1:]], keys, scaling_factor, threshold,
-                                 merge_func, [dtype for _, dtype in sources], merged)
+                                 merge_func, [dtype for _, dtype in sources], merged, names=list(experts))
     return lazy_like(base, tensors)
 
 
