@@ -15,6 +15,9 @@ def main(argv=None) -> int:
     build = sub.add_parser("build", help="build a world (skipped when already built)")
     build.add_argument("name", choices=sorted(WORLDS))
     build.add_argument("--force", action="store_true", help="rebuild even if built")
+    build.add_argument("--seed", type=int, default=None,
+                       help="build the recipe with this seed instead of its own (another world of the same kind; "
+                            "set FEATCAL_WORLDS_DIR to keep it apart from the default build)")
     path = sub.add_parser("path", help="print a world's folder")
     path.add_argument("name", choices=sorted(WORLDS))
     path.add_argument("--build", action="store_true", help="build it first if absent")
@@ -31,7 +34,7 @@ def main(argv=None) -> int:
             print(f"{name:10s} {state:10s} {world.description}")
         return 0
     if args.command == "build":
-        print(build_world(args.name, force=args.force))
+        print(build_world(args.name, force=args.force, seed=args.seed))
         return 0
     if args.command == "args":
         try:

@@ -7,7 +7,7 @@ import os
 import shutil
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -22,7 +22,7 @@ ENV_DIR = "FEATCAL_WORLDS_DIR"
 class World:
     name: str
     description: str
-    build: Callable[[Path], dict]
+    build: Callable[..., dict]  # (root, seed=None): the spec's own seed unless another is given
     modelpool: str
     taskpool: str
     packaged: bool = False  # pools shipped with this package; otherwise inside the world's own config/ folder
@@ -39,14 +39,14 @@ WORLDS: Dict[str, World] = {
     "toy": World(
         name="toy",
         description="synthetic 4-task toy CLIP (seconds to build; a smoke world, not the paper's regime)",
-        build=lambda root: build_toy_clip_world(root, TOY_SPEC),
+        build=lambda root, seed=None: build_toy_clip_world(root, _seeded(TOY_SPEC, seed)),
         modelpool="CLIPVisionModelPool/toy",
         taskpool="CLIPVisionModelTaskPool/toy",
     ),
     "clip": World(
         name="clip",
         description="8 real packaged image tasks, contrastively pretrained tiny CLIP, small-step experts",
-        build=lambda root: build_clip_world(root, CLIP8),
+        build=lambda root, seed=None: build_clip_world(root, _seeded(CLIP8, seed)),
         modelpool="CLIPVisionModelPool/offline_clip8",
         taskpool="CLIPVisionModelTaskPool/offline_clip8",
         packaged=True,
@@ -55,7 +55,7 @@ WORLDS: Dict[str, World] = {
     "clip-quick": World(
         name="clip-quick",
         description="4 of the clip world's tasks at 32 x 32, shorter pretraining: the quick start's world (minutes to build)",
-        build=lambda root: build_clip_world(root, CLIP_QUICK),
+        build=lambda root, seed=None: build_clip_world(root, _seeded(CLIP_QUICK, seed)),
         modelpool="CLIPVisionModelPool/offline_clip_quick",
         taskpool="CLIPVisionModelTaskPool/offline_clip_quick",
         packaged=True,
@@ -64,7 +64,7 @@ WORLDS: Dict[str, World] = {
     "t5": World(
         name="t5",
         description="5 real packaged text tasks (fortunes, word list), byte-level tiny FLAN-T5, fully fine-tuned experts",
-        build=lambda root: build_t5_world(root, T5_WORLD),
+        build=lambda root, seed=None: build_t5_world(root, _seeded(T5_WORLD, seed)),
         modelpool="Seq2SeqLMPool/offline_t5",
         taskpool="offline_t5_text_generation",
         packaged=True,
@@ -72,18 +72,23 @@ WORLDS: Dict[str, World] = {
     "llm": World(
         name="llm",
         description="SmolLM2-135M-Instruct (dequantised GGUF) with math, code and instruction experts, scored by lm-eval tasks",
-        build=lambda root: _build_llm_world(root),
+        build=lambda root, seed=None: _build_llm_world(root, seed),
         modelpool="CausalLMPool/offline_llm",
         taskpool="LMEvalHarnessTaskPool/offline_llm",
     ),
 }
 
 
-def _build_llm_world(root: Path) -> dict:
+def _seeded(spec, seed: Optional[int]):
+    """A world's spec with another seed (every build step is seeded from it): the same recipe, another world."""
+    return spec if seed is None else replace(spec, seed=seed)
+
+
+def _build_llm_world(root: Path, seed: Optional[int] = None) -> dict:
     # imported when built: the LLM world's modules pull in lm-eval and the causal-LM family
     from .llm_world import LLM_WORLD, build_llm_world
 
-    return build_llm_world(root, LLM_WORLD)
+    return build_llm_world(root, _seeded(LLM_WORLD, seed))
 
 
 def worlds_dir() -> Path:
@@ -193,8 +198,10 @@ def pool_configs(name: str, modelpool: Optional[str] = None, taskpool: Optional[
                  for kind, choice in (("modelpool", modelpool), ("taskpool", taskpool)))
 
 
-def build_world(name: str, force: bool = False) -> Path:
-    """Build into a scratch folder and rename it into place, so no half-built world is ever visible."""
+def build_world(name: str, force: bool = False, seed: Optional[int] = None) -> Path:
+    """Build into a scratch folder and rename it into place, so no half-built world is ever visible. ``seed``:
+    build the world's recipe with another seed than its own (a world to check a result on that it was not tuned
+    on; give it its own ``FEATCAL_WORLDS_DIR``, since the world keeps its name)."""
     world = get_world(name)
     final = world_path(name)
     if is_built(name) and not force:
@@ -208,7 +215,7 @@ def build_world(name: str, force: bool = False) -> Path:
         signal.signal(signal.SIGTERM, _terminated)
     try:
         # Paths inside the world's YAMLs must point at the final location.
-        world.build(scratch)
+        world.build(scratch) if seed is None else world.build(scratch, seed=seed)
         for yaml_file in (scratch / "config").rglob("*.yaml"):
             yaml_file.write_text(yaml_file.read_text().replace(str(scratch.resolve()), str(final)))
         if final.exists():
