@@ -76,3 +76,23 @@ def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+
+
+def test_a_world_is_built_with_another_seed_on_request(tmp_path, monkeypatch):
+    """`featcal-world build NAME --seed S`: the recipe's every seeded step from S (here the toy world's, seconds),
+    recorded in world.json; without it, the recipe's own seed."""
+    import json
+    from dataclasses import replace
+
+    monkeypatch.setattr(registry, "TOY_SPEC", replace(registry.TOY_SPEC, finetune_steps=2, train_per_class=4,
+                                                       test_per_class=2))  # the recipe in small: seconds
+    builds = {}
+    for seed in (None, 5):
+        monkeypatch.setenv(registry.ENV_DIR, str(tmp_path / f"seed-{seed}"))
+        assert cli.main(["build", "toy", *([] if seed is None else ["--seed", str(seed)])]) == 0
+        builds[seed] = json.loads((tmp_path / f"seed-{seed}" / "toy" / "world.json").read_text())
+    assert builds[None]["spec"]["seed"] == registry.TOY_SPEC.seed == 0 and builds[5]["spec"]["seed"] == 5
+    assert {k: v for k, v in builds[5]["spec"].items() if k != "seed"} == \
+        {k: v for k, v in builds[None]["spec"].items() if k != "seed"}
+    weights = [(tmp_path / f"seed-{s}" / "toy" / "pretrained" / "model.safetensors").read_bytes() for s in builds]
+    assert weights[0] != weights[1]  # another world, not the same one relabelled
