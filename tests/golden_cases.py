@@ -63,15 +63,17 @@ def calibrate_fixed(family, merged, base, experts, data, examples):
 
 
 def calibrate_selected(family, merged, base, experts, data, examples):
-    """The per-block choice (criterion ``objective``) on all batches but the last, held out, each block then solved
+    """The per-block choice (criterion ``objective``), cross-fitted with each batch a fold, each block then solved
     with its choice on every batch: one calibration."""
+    from featcal_fusionbench.autoselect.options import SelectionOptions
     from featcal_fusionbench.autoselect.search import calibrate_per_block
     from featcal_fusionbench.core.hparams import FeatCalHParams
 
     hp = FeatCalHParams(num_calibration_examples=examples, batch_size=4)
-    fit = {t: iter(v[:-1]) for t, v in data.items()}
-    held = {t: iter(v[-1:]) for t, v in data.items()}
-    report, choice, search = calibrate_per_block(make_engine, family, hp, GRID, merged, base, experts, fit, held)
+    parts = {t: [[batch] for batch in v] for t, v in data.items()}
+    options = SelectionOptions(folds=min(len(p) for p in parts.values()))
+    report, choice, search = calibrate_per_block(make_engine, family, hp, options, GRID, merged, base, experts,
+                                                 parts, lambda part: part)
     return merged, {"search": search, "choice": choice, "final": report}
 
 

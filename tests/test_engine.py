@@ -191,7 +191,7 @@ def test_upstream_trajectory_drift_is_reported_when_tracked_and_calibration_redu
 class RhoByDepth:
     """docs/architecture.md's example policy: rho grows with depth."""
 
-    needs_heldout = False
+    needs_parts = False
 
     def __init__(self, num_blocks):
         self.num_blocks = num_blocks

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from featcal_fusionbench.reports.compare import compare  # noqa: E402
-from featcal_fusionbench.reports.drift import DRIFT_PICTURE, drift_figure  # noqa: E402
+from featcal_fusionbench.reports.drift import DRIFT_PICTURE, drift_figure, write_drift_picture  # noqa: E402
 from featcal_fusionbench.reports.sweep import BEST_MARK, Sweep  # noqa: E402
 from test_cli import fusion_bench, toy_args  # noqa: E402
 
@@ -137,8 +137,28 @@ def test_an_auto_select_run_gets_a_panel_of_its_choices():
     fig = drift_figure({"blocks": blocks, "hparams": {"lambda_": 0.05}, "upstream": "TaskArithmeticAlgorithm"})
     drift, chosen = fig.axes
     assert [line.get_label() for line in drift.lines] == ["a, upstream", "a, calibrated"]
-    assert [line.get_label() for line in chosen.lines] == ["lambda_", "rho"]
+    assert [line.get_label() for line in chosen.lines] == ["lambda", "rho"]
     assert list(chosen.lines[0].get_ydata()) == [1.0, 0.1, 0.01]
+    assert not chosen.collections, "no block at an edge: nothing ringed"
+
+
+def test_the_choice_panel_rings_the_blocks_at_a_grid_edge_and_marks_the_kept_ones(tmp_path):
+    """Block 2's lambda at the numerical floor and block 0's rho at its grid's high edge are ringed; block 1,
+    which kept the method's values within the noise, is marked; the picture is written and decodes."""
+    selections = [{"edge": ["rho at the grid's high edge"]}, {"kept": "method"},
+                  {"edge": ["lambda at the numerical floor"], "widened": {"lambda_": [1e-7]}}]
+    blocks = [{"block": i, "hparams": {"lambda_": 10.0 ** -(3 * i), "rho": 2.5, "alpha": 0.3},
+               "selection": selections[i], "drift": {"a": {"before": {"l2": 2.0}, "after": {"l2": 1.0}}}}
+              for i in range(3)]
+    report = {"blocks": blocks, "hparams": {"lambda_": 0.05}, "upstream": "TaskArithmeticAlgorithm"}
+    fig = drift_figure(report)
+    chosen = fig.axes[1]
+    marks = {c.get_label(): c.get_offsets().tolist() for c in chosen.collections}
+    assert marks == {"lambda at a grid edge": [[2.0, 1e-6]], "rho at a grid edge": [[0.0, 2.5]],
+                     "the method's values kept (within the noise)": [[1.0, 1e-3]]}
+    assert {t.get_text() for t in chosen.get_legend().get_texts()} >= set(marks)
+    path = write_drift_picture(report, tmp_path / "drift.png")
+    assert picture(path).shape[2] in (3, 4)
 
 
 def test_compare_puts_runs_side_by_side_and_their_drift_on_one_picture(sweep_dir, tmp_path):

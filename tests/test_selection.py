@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from featcal_fusionbench import FeatCalAlgorithm
 from featcal_fusionbench.integration.algorithm import REPORT_NAME
-from featcal_fusionbench.autoselect.search import auto_calibrate, split_datasets
+from featcal_fusionbench.autoselect.search import auto_calibrate, describe_choice, fold_datasets
 from featcal_fusionbench.engine.loop import FeatCalEngine
 from featcal_fusionbench.engine.step import LinearGroup
 from featcal_fusionbench.families import LayerNormSite, LinearSite, family_for
@@ -19,7 +19,7 @@ from featcal_fusionbench.core.hparams import FeatCalHParams
 from featcal_fusionbench.core.moments import LinearInputMoments, NormInputMoments, layer_norm_without_affine
 from featcal_fusionbench.core.objective import HeldoutObjective
 from featcal_fusionbench.autoselect.options import SelectionOptions
-from featcal_fusionbench.core.sampling import heldout_split
+from featcal_fusionbench.core.sampling import fold_of, heldout_split
 
 from helpers import tiny_causal_lm_world, tiny_world
 from test_algorithm import SpyUpstream, load_pool, make
@@ -36,6 +36,23 @@ def test_the_split_is_disjoint_covers_the_examples_and_is_fixed_by_seed_and_task
     assert heldout_split(40, 0.25, 7, "mnist") == (fit, held)
     assert heldout_split(40, 0.25, 8, "mnist")[1] != held, "another seed, another split"
     assert heldout_split(40, 0.25, 7, "svhn")[1] != held, "tasks are split independently"
+
+
+def test_the_folds_are_balanced_fixed_by_seed_and_task_and_the_same_on_any_number_of_devices():
+    folds = fold_of(42, 4, 7, "mnist")
+    assert sorted(folds.count(k) for k in range(4)) == [10, 10, 11, 11]
+    assert fold_of(42, 4, 7, "mnist") == folds
+    assert fold_of(42, 4, 8, "mnist") != folds and fold_of(42, 4, 7, "svhn") != folds
+    data = {"mnist": list(range(42))}
+    whole, sizes = fold_datasets(data, 4, 7)
+    assert sizes["mnist"] == [folds.count(k) for k in range(4)]
+    assert [list(p) for p in whole["mnist"]] == [[i for i in range(42) if folds[i] == k] for k in range(4)]
+    shares = [fold_datasets(data, 4, 7, shard=(rank, 3))[0]["mnist"] for rank in range(3)]
+    for k in range(4):  # each fold shared out: every device holds part of it, together all of it
+        held = [list(share[k]) for share in shares]
+        assert all(held) and sorted(sum(held, [])) == list(whole["mnist"][k])
+    with pytest.raises(ValueError, match="cannot be shared by 11 devices"):
+        fold_datasets(data, 4, 7, shard=(0, 11))
 
 
 # ---- criterion (c) against an independent float64 computation ---------------------------------------------------
@@ -99,6 +116,9 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
     "value, message",
     [
         ({"criterion": "accuracy"}, "criterion must be one of"),
+        ({"folds": 1}, "folds must be an integer >= 2"),
+        ({"noise_z": -1}, "noise_z must be a number >= 0"),
+        ({"widen": "yes"}, "widen must be true or false"),
         ({"heldout_fraction": 0.0}, "heldout_fraction must lie strictly between 0 and 1"),
         ({"heldout_fraction": 1.0}, "heldout_fraction must lie strictly between 0 and 1"),
         ({"grid": {"lambda_": []}}, r"grid.lambda_ is empty"),
@@ -116,10 +136,14 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
         FeatCalAlgorithm(auto_select=value)
 
 
-def test_too_few_examples_to_split_fail_before_the_upstream_runs(toy_world, tmp_path):
+@pytest.mark.parametrize("auto_select, message", [
+    ({"folds": 20}, r"16 calibration example\(s\) in 20 folds leave a fold of 0"),
+    ({"criterion": "drift", "heldout_fraction": 0.01}, r"cannot be split into a fit and a held-out part .*0.01"),
+])
+def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, message, toy_world, tmp_path):
     spy = SpyUpstream()
-    with pytest.raises(ValueError, match=r"cannot be split into a fit and a held-out part .*heldout_fraction=0.01"):
-        make(tmp_path, upstream=spy, auto_select={"heldout_fraction": 0.01}).run(load_pool(toy_world))
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, upstream=spy, auto_select=auto_select).run(load_pool(toy_world))
     assert not spy.ran
 
 
@@ -172,40 +196,98 @@ def test_a_seeded_search_chooses_the_same_values_twice(criterion):
     for p, q in zip(first_model.parameters(), second_model.parameters()):
         assert torch.equal(p, q)
     other = _search(world, criterion, seed=1)[1]["auto_select"]
-    assert other["split"] == first["auto_select"]["split"], "sizes depend on the fraction alone"
+    key = "folds_per_task" if criterion == "objective" else "split"
+    assert other[key] == first["auto_select"][key], "sizes depend on the fraction (or the folds) alone"
 
 
-def test_the_objective_search_is_one_calibration_with_every_candidate_scored_in_every_block():
-    _, report = _search(tiny_world(batches=4), "objective")
+def test_the_objective_cross_fits_one_calibration_and_reports_each_blocks_choice_and_its_margin():
+    """Coordinate search per block: lambda at the method's rho and alpha (its grid widened past a winning edge),
+    then rho x alpha at that lambda; each candidate's score the sum over the four folds held out in turn. The
+    block's choice is the best unless the method's values score within noise_z standard errors of it; its
+    runner-up, margin (absolute, relative to the block's held-out gain, in standard errors) and edges are reported,
+    and the final calibration runs the chosen schedule."""
+    _, report = _search(tiny_world(batches=4), "objective", noise_z=0.0)
     auto = report["auto_select"]
-    assert auto["calibrations"] == 1 and auto["search"] == "per_block"
-    assert auto["grid"]["alpha"] == [0.3, 0.6]
+    assert auto["calibrations"] == 1 and auto["search"] == "per_block (coordinate)" and auto["folds"] == 4
+    assert auto["grid"]["alpha"] == [0.3, 0.6] and auto["folds_per_task"]["task0"] == [4, 4, 4, 4]
     assert len(auto["blocks"]) == report["num_blocks"] == 3
     for block in auto["blocks"]:
-        assert set(block["scores"]) == set(auto["candidates"]) and len(auto["candidates"]) == 12
-        assert block["chosen"] == min(block["scores"], key=block["scores"].get)
+        scores = block["scores"]
+        lambdas = {float(k.split(",")[0].split("=")[1]) for k in scores if "rho=2,alpha=0.3" in k}
+        assert {1e-3, 0.05, 1.0} <= lambdas
+        best_lambda = block["chosen"].split(",")[0]
+        assert {f"{best_lambda},rho={r:g},alpha={a:g}" for r in (1.0, 2.0) for a in (0.3, 0.6)} <= set(scores)
+        assert block["chosen"] == min(scores, key=scores.get), "noise_z 0: the best"
+        runner = min((k for k in scores if k != block["chosen"]), key=scores.get)
+        assert block["runner_up"] == runner
+        assert block["margin"] == pytest.approx(scores[runner] - scores[block["chosen"]])
+        assert block["margin"] >= 0 and block["heldout_gain"] > 0
+        assert block["margin_relative"] == pytest.approx(block["margin"] / block["heldout_gain"])
+        if float(best_lambda.split("=")[1]) < 1e-3:
+            assert block["widened"]["lambda_"][0] == 1e-4, "the low edge won: widened a decade at a time"
     assert [entry["hparams"] for entry in report["blocks"]] == [
         dict(zip(("lambda_", "rho", "alpha"), (float(v.split("=")[1]) for v in key.split(","))))
         for key in auto["choice"]["per_block"]
     ], "the final calibration runs the chosen schedule"
     assert auto["cost_multiple"] > 0 and auto["search_seconds"] > 0
+    assert "in block" in describe_choice(auto) and "standard errors behind" in describe_choice(auto)
+
+
+def test_the_methods_values_are_kept_unless_the_evidence_beats_them_by_more_than_its_noise():
+    """The method's values (lambda 0.05) off the grid: a noise_z no evidence can pass keeps them in every block,
+    and the report says so; with noise_z 0 the grid's best is taken."""
+    grid = {"lambda_": [1e-4, 1e-2, 1.0], "rho": [1.0, 2.0], "alpha": [0.3]}
+    _, report = _search(tiny_world(batches=4), "objective", noise_z=1e9, grid=grid)
+    auto = report["auto_select"]
+    assert set(auto["choice"]["per_block"]) == {"lambda_=0.05,rho=2,alpha=0.3"}
+    assert all(b["kept"] == "method" for b in auto["blocks"])
+    assert "the method's values kept within the noise in block(s) 0-2" in describe_choice(auto)
+    _, report = _search(tiny_world(batches=4), "objective", noise_z=0.0, grid=grid)
+    assert "lambda_=0.05,rho=2,alpha=0.3" not in report["auto_select"]["choice"]["per_block"]
+
+
+def test_a_winning_grid_edge_is_widened_a_decade_at_a_time_within_the_floor_and_the_cap():
+    """A two-value lambda grid on a tiny world: its winning edge is extended a decade at a time while the new value
+    wins, never under the floor of float32 moments (their rounding, ~1.2e-7) nor over the cap; the report names
+    the edge where the choice stayed on it."""
+    from featcal_fusionbench.autoselect.policy import LAMBDA_CAP
+
+    _, report = _search(tiny_world(batches=4), "objective", noise_z=0.0,
+                        grid={"lambda_": [1e-3, 1e-2], "rho": [2.0], "alpha": [0.3]})
+    widened_any = False
+    for block in report["auto_select"]["blocks"]:
+        chosen = float(block["chosen"].split(",")[0].split("=")[1])
+        widened = block.get("widened", {}).get("lambda_", [])
+        widened_any |= bool(widened)
+        assert all(1.19e-7 <= v <= LAMBDA_CAP for v in widened)
+        below, above = [v for v in widened if v < 1e-3], [v for v in widened if v > 1e-2]
+        assert below == sorted(below, reverse=True) and above == sorted(above)
+        assert [round(b / a, 6) for a, b in zip([1e-3, *below], below)] == [0.1] * len(below)
+        assert [round(b / a, 6) for a, b in zip([1e-2, *above], above)] == [10.0] * len(above)
+        if chosen not in (1e-3, 1e-2):
+            assert chosen in widened
+        if chosen == min([1e-3, *widened]):
+            assert any(e.startswith("lambda at the") for e in block["edge"])
+        if chosen == max([1e-2, *widened]):
+            assert "lambda at the grid's high edge" in block["edge"]
+    assert widened_any
 
 
 @pytest.mark.parametrize("criterion", ["objective", "drift"])
 def test_a_one_point_grid_gives_exactly_the_calibration_with_those_values(criterion):
     """Each block is solved on all examples: with nothing to choose, the one pass (objective) is bit for bit an
-    ordinary calibration on the fit examples followed by the held-out ones; drift's final calibration is one on
-    all examples in their order."""
+    ordinary calibration on the folds' batches one after the other; drift's final calibration is one on all
+    examples in their order."""
     world = tiny_world(batches=4)
     base, experts, merged, data = world
     grid = {"lambda_": [0.05], "rho": [2.0], "alpha": [0.3], "last_block_patch_token_weight": [1.0]}
-    chosen, report = _search(world, criterion, grid=grid)
+    chosen, report = _search(world, criterion, grid=grid, **({"widen": False} if criterion == "objective" else {}))
     assert report["auto_select"]["calibrations"] == 1
     plain = copy.deepcopy(merged)
     datasets = _datasets(world)
     if criterion == "objective":
-        fit, held, _ = split_datasets(datasets, SelectionOptions(seed=0), 0)
-        batches = {t: _batches_of(fit[t]) + _batches_of(held[t]) for t in datasets}
+        parts, _ = fold_datasets(datasets, 4, 0)
+        batches = {t: [b for part in parts[t] for b in _batches_of(part)] for t in datasets}
     else:
         batches = {t: _batches_of(d) for t, d in datasets.items()}
     FeatCalEngine(family_for(base), FeatCalHParams(), "cpu", progress=False).run(plain, base, experts, batches)
@@ -266,7 +348,9 @@ def test_the_selection_never_reads_a_label_and_reports_its_choice(toy_world, tmp
     grid = {"lambda_": [0.01, 1.0], "rho": [2.0], "alpha": [0.3]}
     make(tmp_path, auto_select={"criterion": criterion, "grid": grid}).run(pool)
     report = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
-    assert report["criterion"] == criterion and report["split"]["toy_0"] == {"fit": 12, "heldout": 4}
+    sizes = report["folds_per_task"] if criterion == "objective" else report["split"]
+    assert report["criterion"] == criterion and sizes["toy_0"] == ([4, 4, 4, 4] if criterion == "objective"
+                                                                   else {"fit": 12, "heldout": 4})
     assert report["grid"]["lambda_"] == [0.01, 1.0] and report["choice"]
 
 
@@ -293,5 +377,5 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
         runs = [compose("fabric_model_fusion", overrides=["method=featcal", f"method.lambda_={v}"]).method for v in values]
     GlobalHydra.instance().clear()
     options = SelectionOptions.parse(OmegaConf.to_container(auto.auto_select))
-    assert options.criterion == "objective" and options.heldout_fraction == 0.25
+    assert options.criterion == "objective" and options.folds == 4 and options.noise_z == 2.0 and options.widen
     assert [r.lambda_ for r in runs] == [0.01, 0.05] and all(r.auto_select is False for r in runs)

@@ -222,19 +222,18 @@ def out_of_core_worker(args, device, dtype, paths, batches, hp, streams) -> dict
         blocks = family.blocks(merged)
         with CheckpointSink(output, merged, blocks, fingerprint={"bench": "out_of_core"},
                             save_extra=lambda folder: merged.config.save_pretrained(folder)) as sink:
-            fit, held, policy = {t: iter(b) for t, b in batches.items()}, None, None
+            parts, policy = None, None
             selecting = args.worker == AUTO_SELECT_MODE
-            if selecting:  # criterion objective in the one pass: the last quarter of each task's batches held out
-                from featcal_fusionbench.autoselect.options import all_candidates
-                from featcal_fusionbench.autoselect.policy import HeldoutSelection
+            if selecting:  # criterion objective in the one pass, cross-fitted: each task's batches in 4 parts
+                from featcal_fusionbench.autoselect.policy import CrossFitSelection, Search
 
-                cut = {t: len(b) - max(1, len(b) // 4) for t, b in batches.items()}
-                fit = {t: iter(b[:cut[t]]) for t, b in batches.items()}
-                held = {t: iter(b[cut[t]:]) for t, b in batches.items()}
-                policy = HeldoutSelection(all_candidates(AUTO_SELECT_GRIDS[args.auto_select]))
+                grid = AUTO_SELECT_GRIDS[args.auto_select]
+                folds = min(4, min(len(b) for b in batches.values()))
+                parts = {t: [len(b) // folds + (i < len(b) % folds) for i in range(folds)] for t, b in batches.items()}
+                policy = CrossFitSelection(Search(grid["lambda_"], grid["rho"], grid["alpha"], widen=False), folds)
             engine = FeatCalEngine(family, hp, device, progress=False, profile=args.profile, streams=streams,
                                    sink=sink, policy=policy)
-            report = engine.run(merged, base, experts, fit, held)
+            report = engine.run(merged, base, experts, {t: iter(b) for t, b in batches.items()}, parts)
             sink.finish()
         sync(device)
         seconds = time.perf_counter() - started

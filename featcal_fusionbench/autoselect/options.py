@@ -1,15 +1,16 @@
-"""Label-free choice of lambda, rho and alpha (issue 27): options, candidate grids and the criteria, as plain data.
-No module, hook or device here: ``policy`` and ``search`` do the model plumbing, ``core`` holds the math (the
-held-out objective, the meters, the held-out split).
+"""Label-free choice of lambda, rho and alpha (issues 27, 61): options, candidate grids and the criteria, as plain
+data. No module, hook or device here: ``policy`` and ``search`` do the model plumbing, ``core`` holds the math (the
+held-out objective, the meters, the folds).
 
-Three criteria score a candidate on the held-out part of each task's unlabeled calibration examples:
+Three criteria score a candidate on calibration examples that its solve did not see (no label is read):
 
-- ``objective`` (lower is better): the per-block quadratic objective that the closed form minimises, on held-out
-  moments, with the expert's own features as the target (alpha = 1) and no ridge term, so that candidates with
-  different alpha, rho and lambda are scored against the same thing. Chosen per block (``policy``): one
-  calibration's forwards serve every candidate, whose solves reuse the block's fit-split moments.
+- ``objective`` (lower is better): the per-block quadratic objective that the closed form minimises, with the
+  expert's own features as the target (alpha = 1) and no ridge term, so that candidates with different rho and
+  lambda are scored against the same thing; cross-fitted over ``folds`` parts of each task's examples and chosen
+  per block (``policy``): one calibration's forwards serve every candidate. It cannot choose alpha (its target
+  would favour the largest): alpha stays the method's unless a grid of alphas is given.
 - ``drift`` (higher is better): mean cosine similarity of the calibrated model's last-block output to the task
-  expert's, over held-out tokens.
+  expert's, over held-out tokens (a ``heldout_fraction`` of each task's examples).
 - ``agreement`` (higher is better): how often the calibrated model's prediction (argmax of the family's head) equals
   the task expert's on held-out tokens; families without a head (CLIP vision towers: the zero-shot head lives in the
   task pool) fall back to ``drift`` and the report says so.
@@ -45,13 +46,20 @@ DEFAULT_GRID: Dict[str, Tuple[float, ...]] = {
 class SelectionOptions:
     """``method.auto_select``: checked at construction, before any model or data is loaded.
 
-    ``grid`` entries replace the defaults key by key (a one-value list fixes that hyperparameter). ``search``
-    (criteria ``drift`` / ``agreement``, which need a calibration per candidate): ``coordinate`` tries lambda,
-    then rho x alpha at the chosen lambda, then the patch weight (|lambda| + |rho| |alpha| + |patch| runs);
-    ``grid`` tries every combination. ``seed``: the held-out split's (null: the method's ``seed``).
+    ``grid`` entries replace the defaults key by key (a one-value list fixes that hyperparameter). ``search``:
+    ``coordinate`` tries lambda, then rho x alpha at the chosen lambda (then the patch weight: ``drift`` /
+    ``agreement``); ``grid`` tries every combination. Criterion ``objective``: ``folds`` parts of each task's
+    examples, each held out once; ``widen`` extends lambda (and rho) past a grid edge that wins, lambda down to the
+    numerical floor of the moments' dtype; ``noise_z``: the method's own values are kept unless the best beats them
+    by more than this many standard errors (of the per-fold differences; 0 takes the best). Criteria ``drift`` /
+    ``agreement``: ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
+    (null: the method's ``seed``).
     """
 
     criterion: str = "objective"
+    folds: int = 4
+    noise_z: float = 2.0
+    widen: bool = True
     heldout_fraction: float = 0.25
     search: str = "coordinate"
     seed: Optional[int] = None
@@ -64,6 +72,13 @@ class SelectionOptions:
         f = self.heldout_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < 1.0:
             problems.append(f"heldout_fraction must lie strictly between 0 and 1, got {f!r}")
+        if isinstance(self.folds, bool) or not isinstance(self.folds, int) or self.folds < 2:
+            problems.append(f"folds must be an integer >= 2 (each part is held out once), got {self.folds!r}")
+        z = self.noise_z
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
+            problems.append(f"noise_z must be a number >= 0, got {z!r}")
+        if not isinstance(self.widen, bool):
+            problems.append(f"widen must be true or false, got {self.widen!r}")
         if self.search not in SEARCHES:
             problems.append(f"search must be one of {list(SEARCHES)}, got {self.search!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

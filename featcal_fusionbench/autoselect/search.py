@@ -1,18 +1,18 @@
 """``method.auto_select``: the search for lambda / rho / alpha without labels, then the final calibration (the
-options and grids are in ``options``, the per-block policy in ``policy``, the math in ``core``).
+options and grids are in ``options``, the per-block policy in ``policy``, the math in ``core``). No label is read.
 
-Every task's calibration examples are split into a fit part and a held-out part (inputs only; no label is read).
-
-- criterion ``objective``: the calibration itself, in one pass over the model (in memory or out of core alike). At
-  each block, the fit moments are accumulated once and folded once per distinct alpha; every candidate
-  (lambda, rho, alpha) is a closed-form solve on them, scored on the block's held-out moments
-  (``policy.HeldoutSelection``); the block is then solved with the best on ALL of each task's calibration examples,
-  loaded (or written), and every stream advances through it, so the next block chooses on the chosen prefix
-  (greedy, per block). ``search_seconds`` is the time spent choosing (the part collections and candidate solves).
-- criteria ``drift`` / ``agreement``: one calibration of a copy of the merged model on the fit part per candidate
-  (coordinate or full grid), scored on the held-out part's last-block outputs against the experts'. The experts'
-  held-out outputs do not depend on the hyperparameters and are computed once. Then the final calibration runs on
-  ALL calibration examples with the chosen values. They hold the merged model whole (a copy per candidate).
+- criterion ``objective``: the calibration itself, in one pass over the model (in memory or out of core alike).
+  Each task's calibration examples are in ``folds`` parts (assigned over the whole set, so that several devices
+  assign them as one does). At each block every part's moments are collected once; every candidate is solved on
+  all parts but one and scored on that one, for each part (``policy.CrossFitSelection``); the block is then solved
+  with the choice on ALL of each task's examples, loaded (or written), and every stream advances through it, so
+  the next block chooses on the chosen prefix (greedy, per block). ``search_seconds`` is the time spent choosing
+  (the parts' collections and the candidates' solves).
+- criteria ``drift`` / ``agreement``: each task's examples split into a fit and a held-out part; one calibration
+  of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the held-out
+  part's last-block outputs against the experts'. The experts' held-out outputs do not depend on the
+  hyperparameters and are computed once. Then the final calibration runs on ALL calibration examples with the
+  chosen values. They hold the merged model whole (a copy per candidate).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from torch import nn
 from ..core.hparams import FeatCalHParams
 from ..core.meters import AgreementMeter, DriftMeter
 from ..core.moments import NonFiniteError
-from ..core.sampling import heldout_split, subset
+from ..core.sampling import fold_of, heldout_split, subset
 from ..engine.loop import FeatCalEngine
 from ..families import ModelFamily
 from ..models.residency import on_device
-from .policy import HeldoutSelection
+from .policy import CrossFitSelection, Search
 from .options import (
     PATCH_WEIGHT,
     SelectionOptions,
@@ -65,19 +65,47 @@ def split_datasets(datasets: Mapping[str, Any], options: SelectionOptions, seed:
 # ---- criterion "objective": per-block choice inside the one calibration -----------------------------------------
 
 
-def calibrate_per_block(make_engine: EngineFactory, family, hp, grid, merged, base, experts, fit_batches,
-                        held_batches):
-    """Calibrate ``merged`` in place, each block's values chosen on held-out moments and the block then solved with
-    them on all batches (``policy.HeldoutSelection``); the engine's report and the search's."""
-    candidates = all_candidates({k: v for k, v in grid.items() if k != PATCH_WEIGHT})
-    selection = HeldoutSelection(candidates)
-    report = make_engine(hp, family, policy=selection).run(merged, base, experts, fit_batches, held_batches)
+def fold_datasets(datasets: Mapping[str, Any], folds: int, seed: int, shard=(0, 1)):
+    """Each task's parts on this device (``folds`` subsets of its examples) and every fold's size, for the report.
+    The folds are assigned over each task's whole set (``datasets``, unsharded); ``shard``: (rank, world size):
+    with several devices each fold is shared out (every world-size-th of its examples from ``rank``), so every
+    device holds a part of every fold and the folds are a single device's."""
+    rank, world_size = shard
+    parts, sizes = {}, {}
+    for task, dataset in datasets.items():
+        assignment = fold_of(len(dataset), folds, seed, task)
+        members = [[p for p, f in enumerate(assignment) if f == k] for k in range(folds)]
+        if min(len(m) for m in members) < world_size:
+            raise ValueError(f"task {task!r}: a fold of {min(len(m) for m in members)} example(s) cannot be shared "
+                             f"by {world_size} devices; raise num_calibration_examples or lower auto_select.folds")
+        parts[task] = [subset(dataset, m[rank::world_size]) for m in members]
+        sizes[task] = [len(m) for m in members]
+    return parts, sizes
+
+
+def search_for(options: SelectionOptions, hp: FeatCalHParams, grid) -> Search:
+    """The objective's search over ``grid``, its lambda floor from the moments' dtype: below the dtype's rounding
+    of a unit-norm Gram (and the solve's own ``eps``) a ridge no longer tells directions apart."""
+    floor = max(hp.eps, float(torch.finfo(hp.torch_accumulation_dtype).eps))
+    return Search(tuple(grid["lambda_"]), tuple(grid["rho"]), tuple(grid["alpha"]), mode=options.search,
+                  floor=floor, widen=options.widen, noise_z=options.noise_z)
+
+
+def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, merged, base, experts, parts,
+                        batches_of):
+    """Calibrate ``merged`` in place, each block's values chosen by cross-fitting over each task's ``parts``
+    (``policy.CrossFitSelection``) and the block then solved with them on all of them; the engine's report and the
+    search's."""
+    selection = CrossFitSelection(search_for(options, hp, grid), options.folds)
+    batches = {t: [list(batches_of(p)) for p in ps] for t, ps in parts.items()}
+    report = make_engine(hp, family, policy=selection).run(
+        merged, base, experts, {t: [b for part in bs for b in part] for t, bs in batches.items()},
+        {t: [len(part) for part in bs] for t, bs in batches.items()})
     fixed = candidate_key({k: getattr(hp, k) for k in ("lambda_", "rho", "alpha")})
     per_block = [e["selection"]["chosen"] if "selection" in e else fixed for e in report["blocks"]]
     blocks = [{"block": e["block"], **e["selection"]} for e in report["blocks"] if "selection" in e]
     search_seconds = sum(e.get("selection_seconds", 0.0) for e in report["blocks"])
-    search = {"candidates": [candidate_key(c) for c in candidates], "blocks": blocks, "solves": selection.solves,
-              "calibrations": 1, "search_seconds": search_seconds,
+    search = {"blocks": blocks, "solves": selection.solves, "calibrations": 1, "search_seconds": search_seconds,
               "final_seconds": report["seconds"] - search_seconds}
     return report, {"per_block": per_block}, search
 
@@ -176,19 +204,21 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
 
 
 def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOptions, hp: FeatCalHParams,
-                   merged, base, experts, datasets: Mapping[str, Any], batches_of: Callable[[Any], Any], device):
+                   merged, base, experts, datasets: Mapping[str, Any], batches_of: Callable[[Any], Any], device,
+                   shard=(0, 1)):
     """Choose, and calibrate ``merged`` in place on all of ``datasets`` with the choice; return the engine's report
-    with an ``auto_select`` entry (grid, scores, choice, split sizes, seconds and the search's cost multiple)."""
+    with an ``auto_select`` entry (grid, scores, choice, fold or split sizes, seconds and the search's cost
+    multiple). ``datasets``: each task's calibration examples, all of them; ``shard``: (rank, world size) of this
+    device, which calibrates on its share of each fold (criterion ``objective``; the others run on one device)."""
     family = family_with({})
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
-    fit, held, sizes = split_datasets(datasets, options, seed)
     if options.criterion == "objective":
-        report, choice, search = calibrate_per_block(
-            make_engine, family, hp, grid, merged, base, experts,
-            {t: batches_of(d) for t, d in fit.items()}, {t: batches_of(d) for t, d in held.items()},
-        )
+        parts, sizes = fold_datasets(datasets, options.folds, seed, shard)
+        report, choice, search = calibrate_per_block(make_engine, family, hp, options, grid, merged, base, experts,
+                                                     parts, batches_of)
     else:
+        fit, held, sizes = split_datasets(datasets, options, seed)
         started = time.perf_counter()
         best, search = select_by_runs(
             make_engine, family_with, options, hp, grid, merged, base, experts,
@@ -203,19 +233,66 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
         )
         search.update(search_seconds=search_seconds, final_seconds=time.perf_counter() - final_started)
     search_seconds, final_seconds = search["search_seconds"], search["final_seconds"]
+    objective = options.criterion == "objective"
     report["auto_select"] = {
         "criterion": options.criterion,
-        "search": options.search if options.criterion != "objective" else "per_block",
-        "heldout_fraction": options.heldout_fraction,
+        "search": f"per_block ({options.search})" if objective else options.search,
+        **({"folds": options.folds, "noise_z": options.noise_z, "widen": options.widen} if objective
+           else {"heldout_fraction": options.heldout_fraction}),
         "seed": seed,
         "grid": {k: list(v) for k, v in grid.items()},
-        "split": sizes,
+        "folds_per_task" if objective else "split": sizes,
         "choice": choice,
         **search,
         "cost_multiple": search_seconds / final_seconds if final_seconds > 0 else math.nan,
     }
-    log.info(
-        "FeatCal auto_select (%s): chose %s in %.2fs = %.2f x the calibration without choice (%d calibration(s))",
-        options.criterion, choice, search_seconds, report["auto_select"]["cost_multiple"], search["calibrations"],
-    )
+    log.info("FeatCal auto_select (%s): %s; %.1fs = %.2f x the calibration without choice (%d calibration(s))",
+             options.criterion, describe_choice(report["auto_select"]), search_seconds,
+             report["auto_select"]["cost_multiple"], search["calibrations"])
     return report
+
+
+def describe_choice(auto: Mapping[str, Any]) -> str:
+    """One line: the values chosen (per span of blocks), how clear each block's choice was, and where a choice sat
+    at a grid's edge or kept the method's values."""
+    if "global" in auto["choice"]:
+        return "chose " + ", ".join(f"{k.rstrip('_')} {v:g}" for k, v in auto["choice"]["global"].items())
+    blocks = auto["blocks"]
+    if not blocks:
+        return "no block to choose for"
+    spans: List[List[Any]] = []
+    for entry in blocks:
+        if spans and spans[-1][0] == entry["chosen"] and spans[-1][2] == entry["block"] - 1:
+            spans[-1][2] = entry["block"]
+        else:
+            spans.append([entry["chosen"], entry["block"], entry["block"]])
+    shown = "; ".join(f"{_values(key)} in block{'s' if a != b else ''} {a if a == b else f'{a}-{b}'}"
+                      for key, a, b in spans)
+    z = [e["margin_se"] for e in blocks if "margin_se" in e and e["margin"] >= 0]
+    parts = [shown]
+    if z:
+        unclear = sum(1 for v in z if v < auto.get("noise_z", 2.0))
+        parts.append(f"runner-up {min(z):.1f}-{max(z):.1f} standard errors behind"
+                     + (f" (within {auto.get('noise_z', 2.0):g} in {unclear} of {len(z)} blocks)" if unclear else ""))
+    kept = [e["block"] for e in blocks if e.get("kept")]
+    if kept:
+        parts.append(f"the method's values kept within the noise in block(s) {_spans(kept)}")
+    edges = [e["block"] for e in blocks if e.get("edge")]
+    if edges:
+        kinds = sorted({k for e in blocks for k in e.get("edge", [])})
+        parts.append(f"at a grid edge in block(s) {_spans(edges)} ({'; '.join(kinds)})")
+    return ", ".join(parts)
+
+
+def _values(key: str) -> str:
+    return ", ".join(f"{k.rstrip('_')} {v}" for k, v in (part.split("=") for part in key.split(",")))
+
+
+def _spans(indices: List[int]) -> str:
+    out: List[List[int]] = []
+    for i in indices:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)

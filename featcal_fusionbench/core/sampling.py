@@ -1,4 +1,4 @@
-"""Seeded choices of examples: the calibration examples of each task, and their fit / held-out split."""
+"""Seeded choices of examples: the calibration examples of each task, their fit / held-out split and their folds."""
 
 from __future__ import annotations
 
@@ -53,3 +53,26 @@ def check_split_sizes(num_examples: int, world_size: int, fraction: float, tasks
                 f"per rank ({world_size}); raise num_calibration_examples"
             )
 
+
+def fold_of(num_examples: int, folds: int, seed: int, task: str) -> List[int]:
+    """The fold (0 .. folds - 1) of each position in a task's calibration set: as equal in size as can be, fixed
+    by (seed, task name) alone."""
+    if folds < 2 or num_examples < folds:
+        raise ValueError(f"task {task!r}: {num_examples} calibration example(s) cannot be split into {folds} folds "
+                         f"(each needs at least one); raise num_calibration_examples or lower auto_select.folds")
+    rng = np.random.default_rng([seed, zlib.crc32(task.encode("utf-8")), zlib.crc32(b"folds")])
+    out = [0] * num_examples
+    for rank, position in enumerate(rng.permutation(num_examples).tolist()):
+        out[position] = rank % folds
+    return out
+
+
+def check_fold_sizes(num_examples: int, world_size: int, folds: int, tasks: Sequence[str]) -> None:
+    """Fail before any model work when the folds are too small to give every device a part of each."""
+    for task in tasks:
+        smallest = num_examples // folds  # fold_of's folds differ in size by one at most
+        if folds < 2 or smallest < max(world_size, 1):
+            raise ValueError(
+                f"task {task!r}: {num_examples} calibration example(s) in {folds} folds leave a fold of "
+                f"{smallest}, fewer than one per device ({world_size}); raise num_calibration_examples or lower "
+                f"auto_select.folds")

@@ -6,9 +6,9 @@ For each block, in forward order:
      calibrated module's input and the task's moments stream in (one set per shared input, e.g. q/k/v);
   2. choose and solve: the block's hyperparameter choice (``policy``) folds each task's moments into its sums as
      soon as the task is done (memory does not grow with the number of tasks), then solves weights (Eq. 17),
-     biases (Eq. 55) and norm affines (Eq. 59). A policy that chooses on held-out moments (``auto_select``) first
-     collects each task's fit and held-out batches apart, chooses, and the block is then collected and solved with
-     the choice on all of them: one pass over the model, whatever the policy;
+     biases (Eq. 55) and norm affines (Eq. 59). A policy that chooses by cross-fitting (``auto_select``) first
+     collects each part (fold) of each task's batches apart, chooses, and the block is then collected and solved
+     with the choice on all of them: one pass over the model, whatever the policy;
   3. write: the block's new parameters are loaded together, and only then do the calibrated hidden states advance
      through the calibrated block.
 Experts and the base model stay where they are (host memory); only the block in use visits the device. A lazy
@@ -25,7 +25,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -100,7 +100,7 @@ class FeatCalEngine:
         upstream_sink: Optional[BlockSink] = None,
     ):
         """``policy``: each block's lambda / rho / alpha (``engine.policy``); by default ``hparams``' own values in
-        every block. A policy that ``needs_heldout`` is given each task's held-out batches (``run``).
+        every block. A policy that ``needs_parts`` is told how each task's batches fall into parts (``run``).
         ``sink`` (``models.sinks``): each block is handed to ``sink.block(index, block, entry)`` once it is
         calibrated and every stream has left it, while its weights are still on the device; a block that
         ``sink.done(index)`` gives (a resumed run's) is not calibrated again: its written values are loaded and the
@@ -118,7 +118,7 @@ class FeatCalEngine:
         self.statistics_bytes = 0  # peak bytes of one task's moments plus a block's sums
         self.sink = sink
         self.upstream_sink = upstream_sink
-        self.fit_batches: Dict[str, int] = {}  # per task, how many of its stream's batches are fit ones
+        self.parts: Dict[str, List[range]] = {}  # per task, its stream's batch ranges, one per part
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -167,19 +167,18 @@ class FeatCalEngine:
         base: nn.Module,
         experts: Mapping[str, nn.Module],
         task_batches: Mapping[str, Iterable[Any]],
-        heldout_batches: Optional[Mapping[str, Iterable[Any]]] = None,
+        parts: Optional[Mapping[str, Sequence[int]]] = None,
     ) -> Dict[str, Any]:
-        """Calibrate ``model`` in place (it is moved to the device) and return a report. ``heldout_batches`` (with a
-        policy that ``needs_heldout`` only): each task's held-out examples, streamed after its ``task_batches``;
-        each block's values are chosen on the fit part against the held-out part, then the block is solved with them
-        on both."""
+        """Calibrate ``model`` in place (it is moved to the device) and return a report. ``parts`` (with a policy
+        that ``needs_parts`` only): per task, how many of its ``task_batches`` (in order) make each part; each
+        block's values are chosen by cross-fitting over the parts, then the block is solved with them on all."""
         family, hp = self.family, self.hparams
         tasks = list(experts)
         missing = [t for t in tasks if t not in task_batches]
         if missing:
             raise ValueError(f"no calibration batches for task(s) {missing}")
-        if (heldout_batches is None) == self.policy.needs_heldout:
-            raise ValueError("held-out batches go with a policy that needs them, and only with one")
+        if (parts is None) == self.policy.needs_parts:
+            raise ValueError("parts of the batches go with a policy that needs them, and only with one")
         self.policy.check(len(family.blocks(model)))
         plans = plan_blocks(family, model, hp)
         for module in (model, base, *experts.values()):
@@ -197,17 +196,13 @@ class FeatCalEngine:
         # Leaving the store drops every stream and removes its spill folder, also when calibration raises.
         with StreamStore(self.device, budget, options.spill, options.spill_dir, timer=self.timer) as store:
             streams: Dict[str, TaskStreams] = {}
-            # With held-out batches, a task's one stream holds its fit batches, then its held-out ones: the choice
-            # reads the two ranges apart, the block is then solved on all of them and every batch advances.
-            self.fit_batches = {}
+            # With parts, a task's one stream holds them one after the other: the choice reads each part's range
+            # apart, the block is then solved on all of them and every batch advances.
+            self.parts = {}
             for task in tqdm(tasks, desc="FeatCal: embedding calibration inputs", disable=not self.progress):
                 batches = list(task_batches[task])
-                self.fit_batches[task] = len(batches)
-                if heldout_batches is not None:
-                    batches += list(heldout_batches[task])
-                    if not 0 < self.fit_batches[task] < len(batches):
-                        raise ValueError(f"task {task!r} needs fit and held-out batches, got "
-                                         f"{self.fit_batches[task]} and {len(batches) - self.fit_batches[task]}")
+                if parts is not None:
+                    self.parts[task] = _ranges(task, parts[task], len(batches))
                 streams[task] = self._embed(model, experts[task], batches, store)
 
             report_blocks = []
@@ -281,7 +276,7 @@ class FeatCalEngine:
         if plan.modules:
             step = BlockStep(family, plan, block, base_block, num_blocks, self.device,
                              self.hparams.torch_accumulation_dtype, self.timer, self.reduce)
-            if self.policy.needs_heldout:
+            if self.policy.needs_parts:
                 selection_started = time.perf_counter()
                 choice = self._choose(step, base_block, expert_blocks, streams)
                 selection_seconds = time.perf_counter() - selection_started
@@ -341,17 +336,15 @@ class FeatCalEngine:
         }
 
     def _choose(self, step: BlockStep, base_block, expert_blocks, streams) -> FixedChoice:
-        """The block's values chosen on held-out moments (``policy.needs_heldout``): each task's fit batches and
-        held-out batches are collected apart, the expert streams left at the block's input; the returned choice
-        solves the block with those values on all of the task's batches."""
+        """The block's values chosen by cross-fitting (``policy.needs_parts``): each part of each task's batches is
+        collected apart, the expert streams left at the block's input; the returned choice solves the block with
+        those values on all of the task's batches."""
         selection = self.policy.for_block(step.plan.index, self.hparams)
         for task, expert_block in expert_blocks.items():
-            stream, fit_batches = streams[task], self.fit_batches[task]
             with on_device([expert_block], self.device):
                 sites = self.family.sites(expert_block)
-                for part, batches in (("fit", range(fit_batches)),
-                                      ("heldout", range(fit_batches, len(stream.calibrated)))):
-                    moments = step.collect(task, expert_block, stream, batches, advance=False)
+                for part, batches in enumerate(self.parts[task]):
+                    moments = step.collect(task, expert_block, streams[task], batches, advance=False)
                     with self.timer("moments"):
                         selection.add(part, step, moments, sites)
                     del moments  # one task part's moments at a time
@@ -372,3 +365,12 @@ class FeatCalEngine:
         log.info("FeatCal block %d (%.2fs): %s", index, entry["seconds"], "; ".join(summary))
         if self.log_fn is not None:
             self.log_fn(metrics, index)
+
+
+def _ranges(task: str, sizes: Sequence[int], total: int) -> List[range]:
+    """A task's batch ranges, one per part, from the parts' sizes (each at least one batch, all of them in all)."""
+    sizes = list(sizes)
+    if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != total:
+        raise ValueError(f"task {task!r}: parts of {sizes} batches do not split its {total} batches into two or more")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]

@@ -3,8 +3,9 @@
 For each block the loop asks its policy for a ``BlockChoice``, hands it every task's moments as they are collected
 (``add_task``), then asks it for the block's solution (``solve``). ``FixedHParams`` solves with the method's values,
 or with one set per block (a schedule); the label-free per-block selector (``autoselect.policy``) is a
-``BlockSelection`` instead: it folds each task's fit moments under several candidates, scores each candidate's
-solve on the held-out moments and names the best, which the block is then solved with on all batches.
+``BlockSelection`` instead: it takes each part (fold) of each task's moments apart, scores each candidate solved on
+all parts but one against the one left out, in turn, and names its choice, which the block is then solved with on
+all batches.
 """
 
 from __future__ import annotations
@@ -32,21 +33,21 @@ class BlockChoice(Protocol):
 
 
 class BlockSelection(Protocol):
-    """One block's choice on held-out moments: each task's fit and held-out moments are added apart, then
-    ``choose`` gives the values the block is solved with on all of the task's batches."""
+    """One block's choice by cross-fitting: each part of each task's moments is added apart, then ``choose`` gives
+    the values the block is solved with on all of the task's batches."""
 
     report: Dict[str, Any]
 
-    def add(self, part: str, step: BlockStep, moments: TaskMoments, expert_sites) -> None:
-        """Take one task's ``part`` ("fit" or "heldout") moments."""
+    def add(self, part: int, step: BlockStep, moments: TaskMoments, expert_sites) -> None:
+        """Take one task's moments on its part ``part`` (0, 1, ...)."""
 
     def choose(self, step: BlockStep) -> FeatCalHParams:
         """The chosen values, once every task's parts were added (the base block is on the device)."""
 
 
 class HParamPolicy(Protocol):
-    #: whether each block is chosen on held-out batches: ``for_block`` then gives a ``BlockSelection``
-    needs_heldout: bool
+    #: whether each block is chosen over parts of the batches: ``for_block`` then gives a ``BlockSelection``
+    needs_parts: bool
 
     def check(self, num_blocks: int) -> None:
         """Raise before any work when the policy cannot serve a model of ``num_blocks`` blocks."""
@@ -57,7 +58,7 @@ class HParamPolicy(Protocol):
 class FixedHParams:
     """The method's own values in every block, or ``schedule[index]`` in block ``index`` (recorded in the report)."""
 
-    needs_heldout = False
+    needs_parts = False
 
     def __init__(self, schedule: Optional[Sequence[FeatCalHParams]] = None):
         self.schedule = None if schedule is None else list(schedule)

@@ -15,7 +15,7 @@ from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 from ..autoselect.options import SelectionOptions
 from ..autoselect.search import auto_calibrate
 from ..core.hparams import DEFAULTS, FeatCalHParams
-from ..core.sampling import check_split_sizes
+from ..core.sampling import check_fold_sizes, check_split_sizes
 from ..engine.loop import FeatCalEngine
 from ..engine.plan import plan_blocks
 from ..engine.streams import StreamOptions
@@ -65,9 +65,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     CPU) bounds the hidden-state streams kept on the device; batches beyond it go to
     ``stream_spill`` ("host": pinned host memory; "disk": a temporary folder in
     ``stream_spill_dir``, removed at the end). ``auto_select`` (false: off, the given lambda_ / rho / alpha;
-    true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on a held-out part of
-    each task's calibration examples (criterion ``objective``: per block, in the one calibration pass, each block
-    then solved with its choice on all examples; ``drift`` / ``agreement``: a calibration per candidate, in memory).
+    true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on calibration examples
+    each candidate's solve did not see (criterion ``objective``: per block, cross-fitted over folds of each task's
+    examples, in the one calibration pass, each block then solved with its choice on all examples; ``drift`` /
+    ``agreement``: a calibration per candidate on a fit part, scored on a held-out part, in memory).
     """
 
     method_name = "FeatCal"
@@ -172,22 +173,24 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                     f"auto_select criterion {self.selection_options.criterion!r} runs on one device only; "
                     "use criterion objective (its moments are all-reduced) on several"
                 )
-            share = hp.num_calibration_examples // world_size
-            check_split_sizes(share, 1, self.selection_options.heldout_fraction, tasks)
+            options = self.selection_options
+            if options.criterion == "objective":
+                check_fold_sizes(hp.num_calibration_examples, world_size, options.folds, tasks)
+            else:
+                check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output
 
     def _calibration_data(self, modelpool, tasks) -> Dict[str, Any]:
-        """Each task's calibration examples (a dataset that is missing a field or too small fails before any model
-        is loaded), this rank's shard of them: with several devices the moment sums are all-reduced before each
-        solve, so every rank solves the same systems."""
+        """Each task's calibration examples, all of them (a dataset that is missing a field or too small fails
+        before any model is loaded): each rank calibrates on its shard of them (``_calibrate``), and with several
+        devices the moment sums are all-reduced before each solve, so every rank solves the same systems."""
         hp = self.featcal_hparams
         with self.profile("load calibration data"):
             datasets = select_calibration_data(
                 modelpool, tasks, hp.num_calibration_examples, hp.seed, calibration_datasets=self.calibration_datasets
             )
             self._data_fingerprint = data_fingerprint(datasets) if self.streams_merged else None
-            rank, world_size = self.fabric.global_rank, self.fabric.world_size
-            return {t: shard(d, rank, world_size) for t, d in datasets.items()}
+            return datasets
 
     def _models(self, modelpool, tasks):
         with self.profile("load models"):
@@ -259,13 +262,18 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         def batches_of(dataset):
             return family.batches(modelpool, dataset, hp.batch_size)
 
+        rank = self.fabric.global_rank
         with self.profile("calibration"):
             if self.selection_options is not None:
+                # the folds are the whole set's, each shared out across the ranks: every rank sees every fold, and
+                # any number of devices cross-fits on the folds one device does
                 return auto_calibrate(
                     make_engine, lambda extra: family_for(base, {**self.family_options, **extra}),
                     self.selection_options, hp, merged, base, experts, datasets, batches_of, self.fabric.device,
+                    shard=(rank, world_size),
                 )
-            return make_engine(hp, family).run(merged, base, experts, {t: batches_of(d) for t, d in datasets.items()})
+            shards = {t: shard(d, rank, world_size) for t, d in datasets.items()}
+            return make_engine(hp, family).run(merged, base, experts, {t: batches_of(d) for t, d in shards.items()})
 
     def _report(self, report, source, tasks, written, upstream_written) -> None:
         hp = self.featcal_hparams

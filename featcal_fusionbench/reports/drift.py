@@ -2,7 +2,9 @@
 calibrated model's features to the expert's after each block, beside the upstream model's own trajectory where the
 run tracked it (``method.track_upstream_drift=true``), else beside the block's drift before it was calibrated (the
 same calibrated prefix, the upstream's block). Runs with a per-block choice (``auto_select``) get a second panel with
-the lambda and rho chosen in each block."""
+the lambda and rho chosen in each block, a block whose choice sat at an edge of its grid (after widening: lambda at
+the numerical floor or the cap, rho at its bound) ringed, and one whose choice kept the method's values within the
+noise marked."""
 
 from __future__ import annotations
 
@@ -33,6 +35,19 @@ def chosen_values(report: Dict[str, Any]) -> Dict[str, List[Optional[float]]]:
     if not any("hparams" in b for b in blocks):
         return {}
     return {k: [(b.get("hparams") or {}).get(k) for b in blocks] for k in PER_BLOCK}
+
+
+def edge_blocks(report: Dict[str, Any]) -> Dict[str, List[int]]:
+    """Per chosen value, the blocks whose choice sat at an edge of the searched grid; and ``kept``: the blocks that
+    kept the method's values within the held-out noise."""
+    out: Dict[str, List[int]] = {"lambda_": [], "rho": [], "kept": []}
+    for b in report.get("blocks") or []:
+        selection = b.get("selection") or {}
+        for edge in selection.get("edge") or []:
+            out["lambda_" if edge.startswith("lambda") else "rho"].append(b["block"])
+        if selection.get("kept"):
+            out["kept"].append(b["block"])
+    return out
 
 
 def upstream_name(report: Dict[str, Any]) -> str:
@@ -80,13 +95,23 @@ def drift_figure(report: Dict[str, Any], method: str = "FeatCal"):
     ax.set_title("drift per block")
     if chosen:
         ax2 = axes[0, 1]
+        edges = edge_blocks(report)
         for name, line in chosen.items():
-            ax2.plot(range(len(line)), [float("nan") if v is None else v for v in line], marker="o", label=name)
+            values = [float("nan") if v is None else v for v in line]
+            ax2.plot(range(len(line)), values, marker="o", label=name.rstrip("_"))
+            at_edge = [i for i in edges[name] if i < len(values)]
+            if at_edge:
+                ax2.scatter(at_edge, [values[i] for i in at_edge], s=160, facecolors="none", edgecolors="red",
+                            linewidths=1.5, zorder=3, label=f"{name.rstrip('_')} at a grid edge")
+        kept = [i for i in edges["kept"] if i < len(chosen["lambda_"])]
+        if kept:
+            ax2.scatter(kept, [chosen["lambda_"][i] for i in kept], marker="s", s=90, facecolors="none",
+                        edgecolors="gray", zorder=3, label="the method's values kept (within the noise)")
         ax2.set_yscale("log")
         ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax2.set_xlabel("block")
         ax2.set_ylabel("chosen value")
-        ax2.legend()
+        ax2.legend(fontsize=7)
         ax2.set_title("per-block choice (auto_select)")
     fig.suptitle(title(report, method), fontsize=10)
     fig.tight_layout()
@@ -102,4 +127,5 @@ def write_drift_picture(report: Dict[str, Any], path: Path, method: str = "FeatC
     return Path(path)
 
 
-__all__ = ["DRIFT_PICTURE", "chosen_values", "drift_figure", "drift_series", "title", "upstream_name", "write_drift_picture"]
+__all__ = ["DRIFT_PICTURE", "chosen_values", "drift_figure", "drift_series", "edge_blocks", "title", "upstream_name",
+           "write_drift_picture"]

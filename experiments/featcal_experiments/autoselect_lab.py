@@ -1,0 +1,207 @@
+"""In-process lab for ``method.auto_select``: one world's pools, models and calibration data loaded once, then
+any number of calibrations (fixed values, a per-block policy, ``auto_select``) each scored by the world's own task
+pool, as ``fusion_bench`` would score it (issue 61).
+
+The study (``scripts/autoselect_study.py``) runs every number it checks in through ``fusion_bench``; the lab is for
+the questions in between (a 200-point oracle grid, a criterion's per-block scores against the test accuracy of its
+choice), where a process per point would cost most of the time. ``Lab.check_against`` compares a lab result with
+the same command's ``fusion_bench`` run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+class Lab:
+    """``args``: the ``fusion_bench`` arguments of a FeatCal run (method, its options, pools), as the study's
+    catalog writes them (``path.log_dir`` left out). The merged model is read once (``method.merged_model_path``)."""
+
+    def __init__(self, args: Sequence[str]):
+        from fusion_bench.utils import instantiate
+
+        from featcal_experiments.worlds.registry import compose_cli
+
+        self.args = [a for a in args if not a.startswith("path.log_dir=")]
+        self.cfg = compose_cli(self.args)
+        self.fabric = L.Fabric(accelerator="cpu", devices=1)
+        self.modelpool = instantiate(self.cfg.modelpool)
+        self.taskpool = instantiate(self.cfg.taskpool)
+        self.taskpool._fabric_instance = self.fabric
+        self._prepared: Dict[tuple, Any] = {}
+        self._batches: Dict[Any, list] = {}
+        self._fast_eval = None
+
+    def algorithm(self, **overrides):
+        """The method as the config composes it, with ``overrides`` (``method.<key>``) applied."""
+        from fusion_bench.utils import instantiate
+
+        method = OmegaConf.merge(self.cfg.method, OmegaConf.create(overrides))
+        algorithm = instantiate(method)
+        algorithm._fabric_instance = self.fabric
+        return algorithm
+
+    def prepare(self, n: int, seed: int):
+        """(algorithm, datasets, base, experts, family, merged) for n examples per task and a seed, cached."""
+        key = (n, seed)
+        if key not in self._prepared:
+            algorithm = self.algorithm(num_calibration_examples=n, seed=seed)
+            algorithm.in_memory = "all"
+            tasks = algorithm.check_pool(self.modelpool)
+            datasets = algorithm._calibration_data(self.modelpool, tasks)
+            base, experts, family = algorithm._models(self.modelpool, tasks)
+            merged, _ = algorithm._source(self.modelpool, base, experts)
+            self._prepared = {key: (algorithm, datasets, base, experts, family, merged)}
+        return self._prepared[key]
+
+    def calibrate(self, n: int, seed: int, policy=None, auto_select=None, **hparams):
+        """A calibrated copy of the merged model and the engine's report. ``hparams``: lambda_ / rho / alpha and the
+        like over the method's; ``policy``: an ``engine.policy.HParamPolicy`` (held-out batches are given when it
+        needs them, split as ``auto_select`` splits them); ``auto_select``: the method's option, as a mapping."""
+        from dataclasses import replace
+
+        from featcal_fusionbench.autoselect.options import SelectionOptions
+        from featcal_fusionbench.autoselect.search import auto_calibrate, split_datasets
+        from featcal_fusionbench.engine.loop import FeatCalEngine
+        from featcal_fusionbench.families import family_for
+
+        algorithm, datasets, base, experts, family, merged = self.prepare(n, seed)
+        hp = replace(algorithm.featcal_hparams, **hparams)
+        model = copy.deepcopy(merged)
+
+        def batches_of(dataset):  # the same examples give the same batches: made once per lab
+            key = _examples_key(dataset)
+            if key is None:
+                return family.batches(self.modelpool, dataset, hp.batch_size)
+            if key not in self._batches:
+                self._batches[key] = list(family.batches(self.modelpool, dataset, hp.batch_size))
+            return list(self._batches[key])
+
+        def make_engine(hparams, engine_family, search=False, **kwargs):
+            return FeatCalEngine(engine_family, hparams, self.fabric.device, progress=False, **kwargs)
+
+        started = time.perf_counter()
+        if auto_select is not None:
+            options = SelectionOptions.parse(auto_select)
+            report = auto_calibrate(make_engine, lambda extra: family_for(base, {**algorithm.family_options, **extra}),
+                                    options, hp, model, base, experts, datasets, batches_of, self.fabric.device)
+        elif policy is not None and getattr(policy, "folds", None):  # the lab's cross-fitting variants
+            from featcal_experiments.autoselect_variants import PerSiteSelection, per_site_engine
+
+            parts = {t: kfold(d, policy.folds, hp.seed, t) for t, d in datasets.items()}
+            if isinstance(policy, PerSiteSelection):
+                engine = per_site_engine(FeatCalEngine)(family, hp, self.fabric.device, progress=False, policy=policy)
+            else:
+                engine = make_engine(hp, family, policy=policy)
+            report = self._run_parts(engine, model, base, experts, parts, batches_of)
+        elif policy is not None and policy.needs_parts:  # the rule before issue 61: a fit and a held-out part
+            fit, held, _ = split_datasets(datasets, SelectionOptions(), hp.seed)
+            parts = {t: [fit[t], held[t]] for t in datasets}
+            report = self._run_parts(make_engine(hp, family, policy=policy), model, base, experts, parts, batches_of)
+        else:
+            report = make_engine(hp, family, policy=policy).run(
+                model, base, experts, {t: batches_of(d) for t, d in datasets.items()})
+        report["lab_seconds"] = time.perf_counter() - started
+        return model, report
+
+    @staticmethod
+    def _run_parts(engine, model, base, experts, parts, batches_of):
+        batches = {t: [list(batches_of(p)) for p in ps] for t, ps in parts.items()}
+        return engine.run(model, base, experts, {t: [b for bs in parts_ for b in bs] for t, parts_ in batches.items()},
+                          {t: [len(bs) for bs in parts_] for t, parts_ in batches.items()})
+
+    def evaluate(self, model, exact: bool = False) -> Dict[str, float]:
+        """Task -> score in percent, and ``average``, as the study's tables read a program report. CLIP task pools
+        are scored from cached test batches and zero-shot heads (``ClipEvaluation``, checked equal to the task
+        pool's own evaluation by ``check_fast_evaluation``); ``exact``: the task pool's ``evaluate`` itself."""
+        from featcal_experiments.reproduce.render import scores
+
+        if not exact and self._clip_pool():
+            if self._fast_eval is None:
+                self._fast_eval = ClipEvaluation(self.taskpool)
+            return self._fast_eval(model)
+        report = self.taskpool.evaluate(model)
+        return scores(json.loads(json.dumps(report, default=float)))
+
+    def _clip_pool(self) -> bool:
+        from fusion_bench.taskpool import CLIPVisionModelTaskPool
+
+        return isinstance(self.taskpool, CLIPVisionModelTaskPool)
+
+    def check_fast_evaluation(self, model) -> None:
+        fast, exact = self.evaluate(model), self.evaluate(model, exact=True)
+        if any(abs(fast[k] - exact[k]) > 1e-4 for k in exact):  # torchmetrics divides in float32
+            raise AssertionError(f"the lab's CLIP evaluation {fast} differs from the task pool's {exact}")
+
+    def score(self, n: int, seed: int, **kwargs) -> Dict[str, Any]:
+        model, report = self.calibrate(n, seed, **kwargs)
+        result = self.evaluate(model)
+        return {"scores": result, "average": result["average"], "report": report}
+
+
+def kfold(dataset, folds: int, seed: int, task: str):
+    """``folds`` disjoint parts of a task's calibration examples covering it, seeded by (seed, task)."""
+    import zlib
+
+    import numpy as np
+
+    from featcal_fusionbench.core.sampling import subset
+
+    order = np.random.default_rng([seed, zlib.crc32(task.encode()), zlib.crc32(b"folds")]).permutation(len(dataset))
+    return [subset(dataset, sorted(order[f::folds].tolist())) for f in range(folds)]
+
+
+def _examples_key(dataset):
+    """What identifies a calibration subset's examples (None: unknown, batches made each time)."""
+    from torch.utils.data import Subset
+
+    if isinstance(dataset, Subset):
+        return id(dataset.dataset), tuple(dataset.indices)
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    return None if fingerprint is None else ("hf", fingerprint)
+
+
+class ClipEvaluation:
+    """FusionBench's CLIP task pool evaluation (``CLIPVisionModelTaskPool.evaluate``: the zero-shot head of each
+    task, argmax accuracy over its test loader's batches) with the test batches and heads computed once."""
+
+    def __init__(self, taskpool):
+        from fusion_bench.models.hf_clip import HFCLIPClassifier
+        from fusion_bench.tasks.clip_classification import get_classnames_and_templates
+
+        if not taskpool._is_setup:
+            taskpool.setup()
+        self.taskpool = taskpool
+        self.classifier = HFCLIPClassifier(taskpool.clip_model, processor=taskpool.processor)
+        self.tasks = {}
+        for task, loader in taskpool.test_dataloaders.items():
+            classnames, templates = get_classnames_and_templates(task)
+            self.classifier.set_classification_task(classnames, templates)
+            batches = [(inputs.clone(), targets.clone()) for inputs, targets in loader]
+            self.tasks[task] = (self.classifier.zeroshot_weights.clone(), batches)
+
+    @torch.no_grad()
+    def __call__(self, model) -> Dict[str, float]:
+        self.classifier.clip_model.vision_model = model
+        out = {}
+        for task, (weights, batches) in self.tasks.items():
+            self.classifier.zeroshot_weights = weights
+            correct = total = 0
+            for inputs, targets in batches:
+                logits = self.classifier(inputs, return_image_embeds=True, return_dict=True, task_name=task)["logits"]
+                correct += int((logits.argmax(-1) == targets).sum())
+                total += len(targets)
+            out[task] = 100.0 * correct / total
+        out["average"] = sum(out.values()) / len(out)
+        return out
