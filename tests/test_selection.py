@@ -379,3 +379,37 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     options = SelectionOptions.parse(OmegaConf.to_container(auto.auto_select))
     assert options.criterion == "objective" and options.folds == 4 and options.noise_z == 2.0 and options.widen
     assert [r.lambda_ for r in runs] == [0.01, 0.05] and all(r.auto_select is False for r in runs)
+
+
+def test_solutions_over_rho_equal_a_solve_at_each_rho():
+    """The rho stage solves each site twice (rho 0 and 1) and takes every rho from the affine combination: equal
+    to solving at that rho, to float64 rounding, for weights, biases and LayerNorm affines."""
+    from dataclasses import replace
+
+    from featcal_fusionbench.autoselect.policy import CrossFitSelection, Search
+
+    checked = []
+
+    class Probe(CrossFitSelection):
+        def for_block(self, index, hparams):
+            choice = super().for_block(index, hparams)
+            original = choice.choose
+
+            def choose(step):
+                sums = choice.parts[hparams.alpha][0]
+                direct = {rho: {} for rho in (0.5, 2.5, -1.0)}
+                for rho in direct:
+                    step.solve(sums, replace(hparams, rho=rho),
+                               visit=lambda name, values, rho=rho: direct[rho].__setitem__(name, values))
+                step.solve_over_rho(sums, hparams, list(direct), lambda rho, name, values: checked.append(
+                    all(torch.allclose(values[a], direct[rho][name][a], rtol=1e-9, atol=1e-12) for a in values)))
+                return original(step)
+
+            choice.choose = choose
+            return choice
+
+    base, experts, merged, data = tiny_world(batches=4)
+    policy = Probe(Search((1e-3,), (2.0,), (0.3,), widen=False), folds=2)
+    FeatCalEngine(family_for(base), FeatCalHParams(), "cpu", progress=False, policy=policy).run(
+        copy.deepcopy(merged), base, experts, {t: iter(v) for t, v in data.items()}, {t: [2, 2] for t in data})
+    assert checked and all(checked)

@@ -1,4 +1,4 @@
-"""experiments/scripts/autoselect_study.py: the targets of issue 27 read off a study's runs, the table it writes, and
+"""experiments/scripts/autoselect_study.py: the targets of issue 61 read off a study's runs, the table it writes, and
 bad arguments refused before anything runs."""
 
 import sys
@@ -11,55 +11,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import autoselect_study as study  # noqa: E402
 
 
-def run(n, default, auto, oracle, demo=None):
+def run(n, seed, default, auto, oracle, demo=None, blocks=()):
     entry = {
-        "n": n, "seed": 42,
+        "n": n, "seed": seed,
         "default": {"average": default, "lambda_": 0.05, "rho": 2.0, "alpha": 0.3},
-        "auto": {c: {"average": v, "cost_multiple": 3.0} for c, v in auto.items()},
-        "oracle": {"best": {"average": oracle, "lambda_": 1e-4, "rho": 2.5, "alpha": 0.3}},
+        "auto": {c: {"average": v, "cost_multiple": 3.0, "vs_fixed": 2.5, "choice": None, "blocks": list(blocks)}
+                 for c, v in auto.items()},
+        "oracle": {"best": {"average": oracle, "lambda_": 1e-4, "rho": 2.5, "alpha": 0.6},
+                   "best_at_paper_alpha": {"average": oracle - 0.2, "lambda_": 1e-5, "rho": 2.0, "alpha": 0.3}},
     }
     if demo is not None:
         entry["demo"] = {"average": demo}
     return entry
 
 
-def test_summary_reads_both_targets_per_criterion():
-    result = {"runs": [run(8, 45.0, {"objective": 53.1, "drift": 44.0}, 53.8),
-                       run(256, 46.0, {"objective": 46.2, "drift": 46.0}, 49.0)]}
+def test_summary_reads_both_targets_per_criterion_and_n():
+    result = {"criteria": ["objective", "drift"],
+              "runs": [run(8, 42, 45.0, {"objective": 53.1, "drift": 44.0}, 53.8),
+                       run(8, 43, 46.0, {"objective": 52.0, "drift": 47.0}, 53.6),
+                       run(256, 42, 46.0, {"objective": 46.2, "drift": 46.0}, 49.0)]}
     s = study.summary(result)
-    assert s["objective"]["auto_minus_default"] == pytest.approx([8.1, 0.2])
-    assert s["objective"]["meets_default_target"] and s["objective"]["mean_from_oracle"] == pytest.approx(1.75)
-    assert not s["objective"]["meets_oracle_target"]
-    assert s["drift"]["worst_below_default"] == pytest.approx(1.0) and not s["drift"]["meets_default_target"]
+    eight = s["objective"]["8"]
+    assert eight["auto_minus_paper"] == pytest.approx([8.1, 6.0]) and eight["meets_paper_target"]
+    assert eight["mean_from_oracle"] == pytest.approx((0.7 + 1.6) / 2) and eight["worst_from_oracle"] == pytest.approx(1.6)
+    assert not eight["meets_oracle_targets"]  # a mean of 1.15 and a worst of 1.6: both over
+    assert s["drift"]["8"]["worst_below_paper"] == pytest.approx(1.0) and not s["drift"]["8"]["meets_paper_target"]
+    assert not s["objective"]["256"]["meets_oracle_targets"] and s["objective"]["256"]["meets_paper_target"]
+    assert s["objective"]["256"]["vs_fixed"] == [2.5]
 
 
-def test_markdown_names_the_command_the_oracle_and_the_demo_column():
+def test_markdown_names_the_command_each_blocks_choice_and_whether_the_targets_hold():
+    blocks = [{"block": 0, "chosen": {"lambda_": 1e-5, "rho": 2.0, "alpha": 0.3}, "margin_se": 3.25, "kept": False,
+               "edge": False},
+              {"block": 1, "chosen": {"lambda_": 1e-7, "rho": 2.0, "alpha": 0.3}, "margin_se": 0.5, "kept": True,
+               "edge": True}]
     result = {"world": "clip-quick", "world_fingerprint": "abc", "command": "python x --world clip-quick",
               "machine": "2 CPU cores", "date": "2026-11-25 20:00 UTC", "seconds": 600, "upstream": 42.0,
-              "runs_made": 3, "runs_resumed": 2,
-              "criteria": ["objective"], "oracle_keys": "lambda_rho_alpha",
-              "runs": [run(8, 45.0, {"objective": 53.1}, 53.8, demo=44.1)]}
+              "runs_made": 3, "runs_resumed": 2, "criteria": ["objective"], "oracle_space": "full",
+              "runs": [run(8, 42, 45.0, {"objective": 53.1}, 53.4, demo=44.1, blocks=blocks)]}
     result["summary"] = study.summary(result)
     text = study.markdown(result)
     assert "`python x --world clip-quick`" in text and "2026-11-25" in text and "(build abc)" in text
     assert "10 min for 3 `fusion_bench` runs, 2 more resumed" in text
-    assert "| 8 | 42 | 45.0 | 44.1 | 53.1 (3.0x) | 53.8 (lambda 0.0001, rho 2.5, alpha 0.3) |" in text
-    assert "lambda, rho, alpha = 0.05, 2, 0.3" in text and "meets the first target" in text
-    assert "lambda sweep" not in text  # a lambda x rho x alpha grid is too long to list
-
-
-def test_a_lambda_only_oracle_lists_its_sweep():
-    entry = run(32, 81.2, {"objective": 81.2}, 81.25)
-    entry["oracle"]["grid"] = [{"lambda_": 1e-6, "average": 81.25}, {"lambda_": 10.0, "average": 57.8125}]
-    result = {"world": "llm", "world_fingerprint": "abc", "command": "python x --world llm", "machine": "m",
-              "date": "d", "seconds": 60, "upstream": 61.5, "runs_made": 1, "runs_resumed": 0,
-              "criteria": ["objective"], "oracle_keys": "lambda_", "runs": [entry]}
-    result["summary"] = study.summary(result)
-    assert "- lambda sweep at n = 32, seed 42 (average): 1e-06: 81.2, 10: 57.8" in study.markdown(result)
+    assert ("| 8 | 42 | 45.0 | 44.1 | 53.1 (2.5x; 3.0x) | 53.2 (lambda 1e-05, rho 2) "
+            "| 53.4 (lambda 0.0001, rho 2.5, alpha 0.6) |") in text
+    assert "lambda, rho, alpha = 0.05, 2, 0.3" in text
+    assert "`objective`, n = 8: auto - paper +8.1 at worst (meets the first target)" in text
+    assert "oracle - auto 0.3 on average, 0.3 at worst (meets the second)" in text
+    assert "0: {'lambda_': 1e-05, 'rho': 2.0, 'alpha': 0.3} (3.2 se)" in text and "(0.5 se) kept edge" in text
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world", "clip-quick", "--n", "1"], "at least 2"),
+    (["--world", "clip-quick", "--n", "2"], "at least 4"),
     (["--world", "clip-quick", "--criteria", "vibes"], "unknown"),
     (["--world", "clip-quick", "--seeds", "x"], "comma-separated integers"),
 ])

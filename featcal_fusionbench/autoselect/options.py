@@ -40,6 +40,9 @@ DEFAULT_GRID: Dict[str, Tuple[float, ...]] = {
     "alpha": (0.15, 0.3, 0.6),  # the paper's values: 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5); 0.25 (demo)
     PATCH_WEIGHT: (1.0, 0.01),  # the paper's uniform weights and the authors' demo
 }
+#: criterion objective's lambdas: five decades, widened a decade at a time past a winning edge (down to the moments'
+#: rounding, up to 1e4), so its reach is the whole range at the cost of the values that win or border a winner
+OBJECTIVE_LAMBDAS: Tuple[float, ...] = tuple(10.0**k for k in range(-6, -1))  # 1e-6 .. 1e-2
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ class SelectionOptions:
     ``grid`` entries replace the defaults key by key (a one-value list fixes that hyperparameter). ``search``:
     ``coordinate`` tries lambda, then rho x alpha at the chosen lambda (then the patch weight: ``drift`` /
     ``agreement``); ``grid`` tries every combination. Criterion ``objective``: ``folds`` parts of each task's
-    examples, each held out once; ``widen`` extends lambda (and rho) past a grid edge that wins, lambda down to the
-    numerical floor of the moments' dtype; ``noise_z``: the method's own values are kept unless the best beats them
+    examples, each held out once; ``widen`` extends lambda past a grid edge that wins, down to the numerical floor
+    of the moments' dtype (up to 1e4); ``noise_z``: the method's own values are kept unless the best beats them
     by more than this many standard errors (of the per-fold differences; 0 takes the best). Criteria ``drift`` /
     ``agreement``: ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
     (null: the method's ``seed``).
@@ -127,6 +130,8 @@ class SelectionOptions:
         only for a family with that option (else it must not be given)."""
         objective = self.criterion == "objective"
         grid = {k: self.grid.get(k, DEFAULT_GRID[k]) for k in ("lambda_", "rho")}
+        if objective and "lambda_" not in self.grid:
+            grid["lambda_"] = OBJECTIVE_LAMBDAS
         grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])
         if PATCH_WEIGHT in family_options:
             default = (float(family_options[PATCH_WEIGHT]),) if objective else DEFAULT_GRID[PATCH_WEIGHT]

@@ -6,7 +6,9 @@ folded into that part's solve sums and held-out objective sums (``core.objective
 left out; its score is the sum over the K parts, and the K per-part scores give the noise of a difference between
 two candidates (paired over the parts). The search (``Search``): lambda first, on the grid at the method's rho and
 alpha, the grid widened past an edge that wins (down to the numerical floor, up to ``LAMBDA_CAP``); then rho (x alpha
-when a grid of alphas is given) at that lambda, rho widened likewise. The choice: the best score, unless the
+when a grid of alphas is given) at that lambda, every rho from two solves per site (each solution is affine in rho).
+rho is not widened: the held-out objective scores against the experts' own features, and a larger rho (the anchor
+extrapolated past the merge, away from the base) moves toward them whatever the test labels say. The choice: the best score, unless the
 method's own values (or the best lambda at the method's rho and alpha) score within ``noise_z`` standard errors of
 it, which are then kept: the held-out evidence has to beat the configuration by more than its own noise. The loop
 then solves the block with the choice on all of each task's batches and loads it, so the next block chooses on the
@@ -28,16 +30,14 @@ from .options import Candidate, candidate_key, with_candidate
 
 #: lambda beyond which a solution is the anchor to every digit that matters (each task's Gram has unit norm)
 LAMBDA_CAP = 1e4
-#: how far rho is widened past the grid, by the grid's own step (the paper's values lie in 0.5 .. 2.2)
-RHO_BOUNDS = (0.0, 4.0)
 
 
 @dataclass(frozen=True)
 class Search:
     """What a block's choice tries: ``lambdas`` (at the method's rho and alpha) then ``rhos`` x ``alphas`` at the
     chosen lambda (``coordinate``), or every combination at once (``grid``); ``floor``: the smallest lambda worth
-    solving (below it the ridge is under the moments' own rounding); ``widen``: extend lambda and rho past a
-    winning edge; ``noise_z``: how many standard errors the evidence must beat the method's values by."""
+    solving (below it the ridge is under the moments' own rounding); ``widen``: extend lambda past a winning
+    edge; ``noise_z``: how many standard errors the evidence must beat the method's values by."""
 
     lambdas: Tuple[float, ...]
     rhos: Tuple[float, ...]
@@ -116,31 +116,42 @@ class CrossFitChoice:
     # ---- scoring ----------------------------------------------------------------------------------------------
 
     def _score(self, step: BlockStep, candidates: List[Candidate], per_part: Dict[str, List[float]]) -> None:
-        """Every new candidate's score on each part (solved on the others), into ``per_part``."""
+        """Every new candidate's score on each part (solved on the others), into ``per_part``. Candidates that
+        differ in rho alone share two solves per site (``BlockStep.solve_over_rho``)."""
         todo = list({candidate_key(c): c for c in candidates if candidate_key(c) not in per_part}.values())
         if not todo:
             return
         current = {n: {"weight": s.weight, "bias": s.bias} for n, s in step.plan.sites.items()}
         scores = {candidate_key(c): [] for c in todo}
+        groups: Dict[Tuple[float, float], List[Candidate]] = {}
+        for c in todo:
+            groups.setdefault((c["alpha"], c["lambda_"]), []).append(c)
         for k in range(self.policy.folds):
             held = self.heldout[k]
-            for alpha in sorted({c["alpha"] for c in todo}):
+            for alpha in sorted({alpha for alpha, _ in groups}):
                 # the parts but one, for one alpha at a time: a single set of fit sums beside the parts
                 fit = average_of([p for j, p in enumerate(self.parts[alpha]) if j != k])
-                self._score_fold(step, fit, held, [c for c in todo if c["alpha"] == alpha], current, scores)
+                for (group_alpha, lam), members in groups.items():
+                    if group_alpha == alpha:
+                        self._score_fold(step, fit, held, members, current, scores)
                 del fit
         per_part.update(scores)
 
     def _score_fold(self, step, fit, held, candidates, current, scores) -> None:
-        for candidate in candidates:
+        """One part's scores of candidates that share alpha and lambda."""
+        hp = with_candidate(self.hparams, candidates[0])
+        if len(candidates) == 1:
             terms: List[float] = []
-            try:
-                step.solve(fit, with_candidate(self.hparams, candidate),
-                           visit=lambda name, params: terms.append(held.site(name, {**current[name], **params})))
-            except NonFiniteError:
-                terms = [math.nan]  # a candidate whose solve overflows is never chosen
+            step.solve(fit, hp, visit=lambda name, params: terms.append(held.site(name, {**current[name], **params})))
             self.policy.solves += 1
-            scores[candidate_key(candidate)].append(sum(terms))
+            scores[candidate_key(candidates[0])].append(_finite_sum(terms))
+            return
+        by_rho: Dict[float, List[float]] = {c["rho"]: [] for c in candidates}
+        self.policy.solves += 2
+        step.solve_over_rho(fit, hp, list(by_rho), lambda rho, name, params: by_rho[rho].append(
+            held.site(name, {**current[name], **params})))
+        for c in candidates:
+            scores[candidate_key(c)].append(_finite_sum(by_rho[c["rho"]]))
 
     def _uncalibrated(self, step: BlockStep) -> List[float]:
         """Each part's held-out score of the block as it is (the merged values): what calibrating gains is
@@ -161,17 +172,16 @@ class CrossFitChoice:
             stage = [{"lambda_": lam, "rho": rho, "alpha": alpha}
                      for lam in search.lambdas for rho in search.rhos for alpha in search.alphas]
             self._score(step, [reference, *stage], per_part)
-            best = min(stage, key=total)
+            best = _best(stage, total)
             best = self._widen_lambda(step, per_part, best, search.lambdas, widened)
         else:
             stage = [{**reference, "lambda_": lam} for lam in search.lambdas]
             self._score(step, [reference, *stage], per_part)
-            best = min(stage, key=total)
+            best = _best(stage, total)
             best = self._widen_lambda(step, per_part, best, search.lambdas, widened)
             stage = [{**best, "rho": rho, "alpha": alpha} for rho in search.rhos for alpha in search.alphas]
             self._score(step, stage, per_part)
-            best = min([best, *stage], key=total)
-            best = self._widen_rho(step, per_part, best, search.rhos, widened)
+            best = _best([best, *stage], total)
         chosen, kept = self._keep_within_noise(per_part, best, reference)
         self.report = {"selection": self._summary(per_part, chosen, kept, widened, search, step)}
         self.parts = self.heldout = None
@@ -191,25 +201,6 @@ class CrossFitChoice:
                 candidate = {**best, "lambda_": value}
                 self._score(step, [candidate], per_part)
                 widened.setdefault("lambda_", []).append(value)
-                edge = value
-                if _total(per_part[candidate_key(candidate)]) < _total(per_part[candidate_key(best)]):
-                    best = candidate
-        return best
-
-    def _widen_rho(self, step, per_part, best: Candidate, grid: Sequence[float], widened) -> Candidate:
-        search = self.policy.search
-        if not search.widen or len(grid) < 2:
-            return best
-        step_size = min(b - a for a, b in zip(sorted(grid), sorted(grid)[1:]))
-        for direction in (-1.0, 1.0):
-            edge = min(grid) if direction < 0 else max(grid)
-            while best["rho"] == edge:
-                value = round(edge + direction * step_size, 10)
-                if not RHO_BOUNDS[0] <= value <= RHO_BOUNDS[1]:
-                    break
-                candidate = {**best, "rho": value}
-                self._score(step, [candidate], per_part)
-                widened.setdefault("rho", []).append(value)
                 edge = value
                 if _total(per_part[candidate_key(candidate)]) < _total(per_part[candidate_key(best)]):
                     best = candidate
@@ -263,6 +254,21 @@ class CrossFitChoice:
 
 def _total(values: Sequence[float]) -> float:
     return float(sum(values))
+
+
+def _finite_sum(terms: Sequence[float]) -> float:
+    """A candidate's score on one part; NaN where a site's solution overflowed (never chosen)."""
+    total = float(sum(terms))
+    return total if math.isfinite(total) else math.nan
+
+
+def _best(candidates: Sequence[Candidate], total) -> Candidate:
+    """The lowest total among the candidates whose total is finite; the first listed on a tie (the grid's
+    order: a seeded run repeats its choice)."""
+    finite = [c for c in candidates if math.isfinite(total(c))]
+    if not finite:
+        raise ValueError("every candidate's held-out score is non-finite; no choice is possible")
+    return min(finite, key=total)
 
 
 def _difference(a: Sequence[float], b: Sequence[float]) -> Tuple[float, float]:

@@ -17,6 +17,9 @@ SCORE_DTYPE = torch.float64
 #: added once, and at the Llama-3.2-3B shape these sums in float64 were 1.46 GiB beside the solve's, all that choosing
 #: added to the peak. In the golden cases the scores moved by at most 3e-7 of themselves and no choice changed.
 STORE_DTYPE = torch.float32
+#: a sum whose SCORE_DTYPE copy is at most this big is converted once when scoring starts (a tiny model's: the
+#: conversions per candidate cost more than its products); larger ones stay in STORE_DTYPE, read a tile at a time
+SCORE_COPY_BYTES = 64 * 2**20
 
 
 def _add_scaled(store: Dict, key, value: Tensor, scale: float) -> None:
@@ -97,7 +100,7 @@ class HeldoutObjective:
         d = SCORE_DTYPE
         gi = self.group_of[name]
         w = weight.to(d)
-        gram, cross = self.gram[gi], self.cross[name]
+        gram, cross = self._scoring(self.gram, gi), self._scoring(self.cross, name)
         # a tile of G's columns (Y's rows) at a time: a float64 copy of down_proj's whole Gram would be 0.5 GiB
         value = sum(((w @ gram[:, j : j + TILE].to(d)) * w[:, j : j + TILE]).sum() for j in range(0, w.shape[1], TILE))
         value = value - 2.0 * sum((rows * y.to(d)).sum() for rows, y in zip(w.split(TILE), cross.split(TILE)))
@@ -105,6 +108,14 @@ class HeldoutObjective:
             b = bias.to(d)
             value = value + 2.0 * b @ (w @ self.mean_cal[gi]) + self.omega[gi] * (b @ b) - 2.0 * b @ self.mean_out[name]
         return float(value)
+
+    def _scoring(self, store: Dict, key) -> Tensor:
+        """A stored sum as the scores read it: converted to SCORE_DTYPE once where that copy is small (every
+        candidate reads it again), else left in STORE_DTYPE and converted a tile at a time by the reader."""
+        value = store[key]
+        if value.dtype != SCORE_DTYPE and value.numel() * 8 <= SCORE_COPY_BYTES:
+            store[key] = value = value.to(SCORE_DTYPE)
+        return value
 
     def normalization(self, name: str, gamma: Tensor, beta: Optional[Tensor]) -> float:
         d = SCORE_DTYPE

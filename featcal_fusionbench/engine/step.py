@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, Hashable, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -211,38 +211,57 @@ class BlockStep:
         its modules are solved and every value is kept in its parameter's dtype: at Llama-3.2-1B shape a block's
         float64 solutions and its sums would otherwise be most of the host-memory peak. With ``visit``, each site's
         values are handed to ``visit(name, {attribute: value})`` as soon as they are solved and not kept (the
-        solution holds only the solver counts): a candidate scored site by site never holds a whole block."""
+        solution holds only the solver counts): a candidate scored site by site never holds a whole block; its
+        values are not checked for non-finite ones (a candidate that overflows scores NaN)."""
+        solution = BlockSolution()
+        methods: Counter = Counter()
+        for name, values in self._site_solutions(sums, hp, methods, consume=consume, check=visit is None):
+            if visit is not None:
+                visit(name, values)
+            else:
+                solution.updates.extend((name, attr, value) for attr, value in values.items())
+        solution.methods = dict(methods)
+        return solution
+
+    def solve_over_rho(self, sums, hp: FeatCalHParams, rhos: Sequence[float],
+                       visit: Callable[[float, str, Dict[str, Tensor]], None]) -> int:
+        """Every site's values under ``hp`` at each rho of ``rhos``, handed to ``visit(rho, name, values)`` site by
+        site, from two solves per site: each solution is affine in rho (the anchor rho W_mer + (1 - rho) W_base is
+        the only place rho enters Eq. 17, 55 and 58, and each of them is linear in the anchor), so
+        values(rho) = values(0) + rho (values(1) - values(0)), equal up to float rounding to solving at rho. The
+        number of solves it made."""
+        from dataclasses import replace
+
+        methods: Counter = Counter()
+        at_zero = self._site_solutions(sums, replace(hp, rho=0.0), methods, check=False)
+        at_one = self._site_solutions(sums, replace(hp, rho=1.0), methods, check=False)
+        for (name, zero), (_, one) in zip(at_zero, at_one):
+            for rho in rhos:
+                visit(rho, name, {attr: torch.lerp(zero[attr], one[attr], rho) for attr in zero})
+        return sum(methods.values())
+
+    def _site_solutions(self, sums, hp: FeatCalHParams, methods: Counter, consume: bool = False, check: bool = True):
+        """(site name, {attribute: value}) for every site in turn, solved from ``sums`` under ``hp``."""
         plan = self.plan
         cal_sites = plan.sites
         base_sites = self.family.sites(self.base_block)
-        solution = BlockSolution()
-        methods: Counter = Counter()
-        site_values: Dict[str, Tensor] = {}
 
         def anchored(name, attr):
             return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), hp.rho)
 
-        def update(name, attr, value):
+        def kept(name, attr, value, what):
+            if check:
+                check_finite(value, f"the solved {what} of {plan.modules[name][0]}")
             if consume:  # the values write would copy in anyway
                 value = value.to(getattr(cal_sites[name], attr).dtype)
-            if visit is None:
-                solution.updates.append((name, attr, value))
-            else:
-                site_values[attr] = value
-
-        def site_done(name):
-            if visit is not None:
-                visit(name, dict(site_values))
-                site_values.clear()
+            return value
 
         for gi, group in enumerate(self.groups or []):
             for name in group.names:
-                full = plan.modules[name][0]
                 site = cal_sites[name]
                 result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight"), hp.lambda_, hp.eps)
-                check_finite(result.solution, f"the solved weight of {full}")
                 methods[result.method] += 1
-                update(name, "weight", result.solution)
+                values = {"weight": kept(name, "weight", result.solution, "weight")}
                 if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
                     bias = solve_bias(
                         sums.omega[gi],
@@ -252,28 +271,23 @@ class BlockStep:
                         anchored(name, "bias"),
                         hp.lambda_,
                     )
-                    check_finite(bias, f"the solved bias of {full}")
-                    update(name, "bias", bias)
-                site_done(name)
+                    values["bias"] = kept(name, "bias", bias, "bias")
+                yield name, values
             if consume:
                 sums.drop_group(gi, group.names)
         for name, entry in sums.norm.items():
-            full, kind = plan.modules[name]
             gamma_anchor = anchored(name, "weight")
+            values = {}
             if "r_beta" in entry:
                 gamma, beta = solve_layernorm_affine(
                     entry["q"], entry["z"], entry["r_gamma"], entry["r_beta"], sums.num_tasks,
                     gamma_anchor, anchored(name, "bias"), hp.lambda_, hp.eps,
                 )
-                check_finite(beta, f"the solved shift of {full}")
-                update(name, "bias", beta)
+                values["bias"] = kept(name, "bias", beta, "shift")
             else:
                 gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
-            check_finite(gamma, f"the solved scale of {full}")
-            update(name, "weight", gamma)
-            site_done(name)
-        solution.methods = dict(methods)
-        return solution
+            values["weight"] = kept(name, "weight", gamma, "scale")
+            yield name, values
 
     def write(self, solution: BlockSolution) -> None:
         # Load everything together: no site of this block saw a partially updated block.
