@@ -17,6 +17,9 @@ for arg in "$@"; do
     *) echo "usage: scripts/setup.sh [--llm]  (unknown argument: $arg)" >&2; exit 2 ;;
   esac
 done
+# The worlds' Debian packages need root to install (none once they are there): without it, one line naming them and
+# the command to run as root, before anything is set up.
+bash experiments/scripts/install_world_data.sh --check
 if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"

@@ -111,6 +111,33 @@ def test_missing_pretrained_fails_before_the_upstream_runs(toy_world, tmp_path):
     _expect_early_failure(pool, "`_pretrained_`", tmp_path)
 
 
+@pytest.mark.parametrize("upstream, message", [
+    ({"_target_": "fusion_bench.method.SimpleEnsembleAlgorithm"}, "SimpleEnsembleAlgorithm returns an ensemble"),
+    ({"_target_": "fusion_bench.method.SmileUpscalingAlgorithm", "device": "cpu"}, "an upscaled model"),
+    ({"name": "clip_layer_wise_adamerging"}, "has no `_target_`"),
+])
+def test_an_upstream_that_does_not_return_one_merged_model_is_refused_before_anything_runs(
+        toy_world, tmp_path, monkeypatch, upstream, message):
+    """FusionBench's configs of MoE upscaling, ensembles, training, pruning or analysis (and its older `name:`
+    configs, which nothing instantiates) are refused by their class, before a model is loaded; instantiated (as
+    the CLI does) or as a config."""
+    from featcal_fusionbench.integration import upstream as upstream_module
+
+    pool = load_pool(toy_world)
+    loads = []
+    monkeypatch.setattr(type(pool), "load_model", lambda self, *a, **k: loads.append(a) or None)
+    given = OmegaConf.create(upstream)
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, upstream=given).run(pool)
+    if "_target_" in upstream and len(upstream) == 1:
+        with pytest.raises(ValueError, match=message):
+            make(tmp_path, upstream=instantiate(given)).run(pool)
+    assert not loads and not list(tmp_path.rglob(REPORT_NAME))
+    assert upstream_module.upstream_class_name(given) in (None, *upstream_module.NOT_ONE_MERGED_MODEL)
+    # with the merged model given, the upstream is not run: nothing to refuse
+    assert upstream_module.check_upstream_merger(None, "FeatCal") is None
+
+
 @pytest.mark.parametrize(
     "odd, message",
     [

@@ -1,6 +1,7 @@
 """The method configs compose offline, each upstream merger is written once (config/method/upstream/) and
 reused by FeatCal, Surgery and ProbSurgery, and each default is written once in YAML (the bases)."""
 
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -146,6 +147,55 @@ def test_the_upstream_switches_from_the_command_line(method, name, upstream):
     assert cfg["upstream"] == method(f"upstream/{upstream}")
     assert {k: v for k, v in cfg.items() if k != "upstream"} == {k: v for k, v in method(name).items() if k != "upstream"}
     assert method(name, f"method/upstream={upstream}", "method.upstream._target_=x.Y")["upstream"]["_target_"] == "x.Y"
+
+
+FUSION_BENCH_METHODS = Path(importlib.util.find_spec("fusion_bench_config").submodule_search_locations[0]) / "method"
+
+
+@pytest.mark.parametrize("name", ["featcal", "surgery/clip_ta", "probsurgery/flan_t5_ta"])
+@pytest.mark.parametrize("upstream", ["ties_merging", "regmean_plusplus/clip_regmean_plusplus",
+                                      "isotropic_merging/iso_cts", "singular_value_calibration/task_arithmetic"])
+def test_any_fusion_bench_method_config_is_an_upstream_by_its_own_name(method, name, upstream):
+    """method/upstream=<the path of a config under FusionBench's method/ group>: its file, as FusionBench ships it,
+    at method.upstream, its arguments overridden as any other's; nothing of ours copied."""
+    assert not (METHOD_DIR / "upstream" / f"{upstream}.yaml").exists()
+    shipped = yaml.safe_load((FUSION_BENCH_METHODS / f"{upstream}.yaml").read_text())
+    cfg = method(name, f"method/upstream={upstream}")
+    assert cfg["upstream"] == shipped
+    assert {k: v for k, v in cfg.items() if k != "upstream"} == {k: v for k, v in method(name).items() if k != "upstream"}
+    key = next(k for k in shipped if k != "_target_")
+    assert method(name, f"method/upstream={upstream}", f"method.upstream.{key}=7")["upstream"][key] == 7
+
+
+def test_our_short_upstream_names_win_over_fusion_benchs_files_of_the_same_name(method):
+    assert (FUSION_BENCH_METHODS / "task_arithmetic.yaml").is_file()
+    assert method("featcal", "method/upstream=task_arithmetic")["upstream"]["inplace"] is False  # ours only
+
+
+def test_an_upstream_config_with_a_defaults_list_of_its_own_composes(method, tmp_path, monkeypatch):
+    """A merger config composed from others: its relative defaults resolve inside the method group as they do when
+    FusionBench composes it as `method=my_merger/clip_my_merger` (there method/my_merger/common, here
+    method/upstream/my_merger/common, served from the same file)."""
+    package = tmp_path / "more_methods"
+    (package / "method" / "my_merger").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "method" / "my_merger" / "common.yaml").write_text("scaling_factor: 0.3\nexclude_keys: null\n")
+    (package / "method" / "my_merger" / "clip_my_merger.yaml").write_text(
+        "defaults:\n  - my_merger/common@_here_\n  - _self_\n_target_: fusion_bench.method.TaskArithmeticAlgorithm\nscaling_factor: 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    upstream = method("featcal", "method/upstream=my_merger/clip_my_merger",
+                      "hydra.searchpath=[fusion-bench-upstream://more_methods]")["upstream"]
+    assert upstream == {
+        "_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.5, "exclude_keys": None}
+
+
+def test_an_unknown_upstream_lists_fusion_benchs_options_beside_ours(method):
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as error:
+        method("featcal", "method/upstream=regmean_plus_plus")
+    listed = str(error.value)
+    assert "ties_merging\n" in listed and "task_arithmetic_causallm" in listed  # FusionBench's file, and ours
 
 
 def test_each_upstream_and_each_default_is_written_once():

@@ -83,3 +83,28 @@ def test_the_mirrors_llama_chat_template_opens_with_the_dated_system_turn():
         "<|start_header_id|>assistant<|end_header_id|>\n\n")
     system = [{"role": "system", "content": "Be brief."}] + user
     assert tokenizer.apply_chat_template(system, tokenize=False).startswith(head + "Be brief.<|eot_id|>")
+
+
+def test_local_files_through_datasets_builders_are_not_taken_for_hub_ids():
+    """`datasets.load_dataset` of `json`, `parquet`, `imagefolder` ... over local files (the README's own-merge
+    pools) names no hub repository: asking the hub for a dataset `json` would fail the run before it starts."""
+    from types import SimpleNamespace
+
+    from featcal_fusionbench.integration.hub_access import pool_sources
+
+    local = {
+        "a": {"_target_": "datasets.load_dataset", "path": "imagefolder", "data_dir": "/data/a", "split": "train"},
+        "b": {"_target_": "datasets.load_dataset", "path": "parquet", "data_files": "/data/b.parquet",
+              "split": "train"},
+        "c": {"_target_": "featcal_fusionbench.integration.text_data.load_prompt_response", "path": "json",
+              "data_files": "/data/c.jsonl", "prompt": "q", "response": "a"},
+        "d": {"_target_": "datasets.load_dataset", "_args_": ["csv"], "data_files": "/data/d.csv"},
+        "e": {"_target_": "datasets.load_from_disk", "dataset_path": "/data/e"},
+        "hub": {"_target_": "datasets.load_dataset", "path": "ylecun/mnist", "split": "train"},
+    }
+    pool = SimpleNamespace(_models={}, _train_datasets=local)
+    calibration = {"c": local["c"], "hub": {**local["hub"], "path": "MergeBench/math_val"}}
+    assert list(pool_sources(pool, calibration)) == [
+        ("modelpool.train_datasets.hub", "ylecun/mnist", "dataset"),
+        ("method.calibration_datasets.hub", "MergeBench/math_val", "dataset"),
+    ]

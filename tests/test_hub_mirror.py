@@ -1,4 +1,5 @@
-"""The README's paper commands, as typed, against a hub of our own on 127.0.0.1 (tests/hubmirror).
+"""The paper commands of the README and docs/paper_settings.md, as typed, against a hub of our own on 127.0.0.1
+(tests/hubmirror).
 
 CLIP TA8 (both pool names), Surgery and ProbSurgery after Task Arithmetic, FeatCal after WUDI, FLAN-T5-base GLUE,
 OpenCLIP and Table 4's Llama-3.2-3B-Instruct (gated base) each run through the real ``fusion_bench`` CLI in a process

@@ -75,3 +75,58 @@ def test_the_venv_and_the_temporary_folder_on_two_disks_are_each_checked_for_the
     assert done.returncode == 1 and not venv.exists(), done.stdout + done.stderr
     assert f"3000 MiB free on {tmp_path}, where the tests need about 6600 MiB" in done.stderr  # the venv's parent
     assert "tmp, where" not in done.stderr  # 2200 MiB for the temporary folder fit in 3000
+
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD_DATA = REPO / "experiments" / "scripts" / "install_world_data.sh"
+SETUP_SH = REPO / "scripts" / "setup.sh"
+
+
+def stubbed_system(tmp_path, uid: int, installed: bool) -> dict:
+    """An environment whose `id -u` answers ``uid``, whose `dpkg -s` finds every package or none, and whose `apt-get`
+    only records that it was called (in ``tmp_path / "apt-get.log"``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {"id": f"echo {uid}", "dpkg": f"exit {0 if installed else 1}",
+             "apt-get": f'echo "$*" >> {tmp_path / "apt-get.log"}'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FEATCAL_VENV": str(tmp_path / "venv")}
+
+
+def packages() -> list:
+    text = WORLD_DATA.read_text()
+    listed = text.split("DEBIAN_PACKAGES=(", 1)[1].split(")", 1)[0].split()
+    assert "dataset-fashion-mnist" in listed and len(listed) > 10
+    return listed
+
+
+def test_without_root_missing_world_data_packages_are_one_line_with_the_command_to_run_as_root(tmp_path):
+    env = stubbed_system(tmp_path, uid=1000, installed=False)
+    for command in (["bash", str(WORLD_DATA)], ["bash", str(WORLD_DATA), "--check"], ["bash", str(SETUP_SH)]):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and done.stdout == "", (command, done.stdout, done.stderr)
+        assert done.stderr.strip().splitlines() == [
+            "the offline worlds' data need Debian packages that are not installed; as root, run: "
+            f"apt-get update && apt-get install -y {' '.join(packages())}"], command
+    assert not (tmp_path / "apt-get.log").exists()  # no failed apt call
+    assert not (tmp_path / "venv").exists()  # setup.sh stopped before setting anything up
+
+
+def test_present_world_data_packages_need_no_root_and_root_installs_missing_ones(tmp_path):
+    present = stubbed_system(tmp_path, uid=1000, installed=True)
+    for command in (["bash", str(WORLD_DATA)], ["bash", str(WORLD_DATA), "--check"]):
+        done = subprocess.run(command, env=present, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout == done.stderr == "", (command, done.stdout, done.stderr)
+    assert not (tmp_path / "apt-get.log").exists()
+
+    root = tmp_path / "root"
+    root.mkdir()
+    as_root = stubbed_system(root, uid=0, installed=False)
+    checked = subprocess.run(["bash", str(WORLD_DATA), "--check"], env=as_root, capture_output=True, text=True,
+                             timeout=60)
+    assert checked.returncode == 0 and not (root / "apt-get.log").exists(), checked.stderr
+    installed = subprocess.run(["bash", str(WORLD_DATA)], env=as_root, capture_output=True, text=True, timeout=60)
+    assert installed.returncode == 0, installed.stderr
+    assert (root / "apt-get.log").read_text().splitlines() == ["update -qq", f"install -y -qq {' '.join(packages())}"]

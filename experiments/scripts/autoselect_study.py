@@ -274,7 +274,7 @@ def markdown(result: dict) -> str:
         for n, s in per_n.items():
             lines.append(f"- `{criterion}`, n = {n}: auto - paper {min(s['auto_minus_paper']):+.1f} at worst "
                          f"({'meets' if s['meets_paper_target'] else 'misses'} the first target); oracle - auto "
-                         f"{s['mean_from_oracle']:.1f} on average, {s['worst_from_oracle']:.1f} at worst "
+                         f"{s['mean_from_oracle']:.2f} on average, {s['worst_from_oracle']:.2f} at worst "
                          f"({'meets' if s['meets_oracle_targets'] else 'misses'} the second)")
     lines += ["", "Per (n, seed), each block's choice (`objective`: the chosen values, the runner-up's margin in "
               "standard errors of the folds, where it sat at an edge):", ""]

@@ -62,6 +62,13 @@ ARCHS = {
                                num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=True),
     "llama-3.1-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=False),
+    # meta-llama/Llama-3.1-70B(-Instruct)'s config.json (issue 62 quotes its widths)
+    "llama-3.1-70b-shape": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                                num_key_value_heads=8, vocab_size=LLAMA_VOCAB, tie_word_embeddings=False),
+    # meta-llama/Llama-3.1-405B's: predicted only (--predict), its checkpoints would not fit this disk
+    "llama-3.1-405b-shape": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                 num_attention_heads=128, num_key_value_heads=8, vocab_size=LLAMA_VOCAB,
+                                 tie_word_embeddings=False),
     # the offline LLM world's base (experiments/docs/offline_llm_world.md): SmolLM2-135M-Instruct
     "smollm2-135m-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
@@ -96,10 +103,9 @@ def write_checkpoints(args, root: Path) -> dict:
     from transformers import LlamaForCausalLM
 
     with_merge = set(args.modes.split(",")) != {"out_of_core"}
-    spec = {"arch": args.arch, "tasks": args.tasks, "dtype": args.storage_dtype, "seed": 0, "writer": 2,
-            **({} if args.layers is None else {"layers": args.layers}), **({} if with_merge else {"merged": False})}
+    spec = checkpoint_spec(args)
     names = ["base", *(f"expert{i}" for i in range(args.tasks)), *(["merged"] if with_merge else [])]
-    if (root / "spec.json").is_file() and json.loads((root / "spec.json").read_text()) == spec:
+    if checkpoints_written(args, root):
         return {n: root / n for n in names}
     config = llama_config(args.arch, args.storage_dtype, args.layers)
     with init_empty_weights():
@@ -324,6 +330,30 @@ def worker(args) -> dict:
     }
 
 
+def checkpoint_spec(args) -> dict:
+    with_merge = set(args.modes.split(",")) != {"out_of_core"}
+    return {"arch": args.arch, "tasks": args.tasks, "dtype": args.storage_dtype, "seed": 0, "writer": 2,
+            **({} if args.layers is None else {"layers": args.layers}), **({} if with_merge else {"merged": False})}
+
+
+def checkpoints_written(args, root: Path) -> bool:
+    return (root / "spec.json").is_file() and json.loads((root / "spec.json").read_text()) == checkpoint_spec(args)
+
+
+def prediction(args):
+    """``featcal_experiments.memory_budget``'s out-of-core peak for this run, and the disk it needs."""
+    from featcal_experiments.memory_budget import BYTES, model_parameters, out_of_core_peak
+
+    shape = ARCHS[args.arch]
+    layers = args.layers or shape["num_hidden_layers"]
+    predicted = out_of_core_peak(shape, tasks=args.tasks, tokens=args.n * args.seq_len, model_dtype=args.dtype,
+                                 accumulation_dtype=args.accumulation_dtype)
+    params = model_parameters(shape, layers)
+    copies = 1 + args.tasks + (0 if set(args.modes.split(",")) == {"out_of_core"} else 1)
+    disk = {"checkpoints": copies * params * BYTES[args.storage_dtype], "output": params * BYTES[args.dtype]}
+    return predicted, disk
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(ARCHS), required=True)
@@ -360,6 +390,8 @@ def main():
     parser.add_argument("--without-fixed", action="store_true",
                         help="with --auto-select: the choosing run alone (a depth series; the ratios need both)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--predict", action="store_true",
+                        help="print the predicted out-of-core peak and the disk the run needs, and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -389,6 +421,19 @@ def main():
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
         return
+    predicted, disk = prediction(args)
+    gib = 2**30
+    print(f"predicted out-of-core peak RSS {predicted['peak'] / gib:.2f} GiB = "
+          + " + ".join(f"{k} {v / gib:.2f}" for k, v in predicted.items() if k != "peak")
+          + f"; disk: checkpoints {disk['checkpoints'] / gib:.2f} GiB, output {disk['output'] / gib:.2f} GiB")
+    if args.predict:
+        return
+    need = disk["output"] + (0 if checkpoints_written(args, Path(args.workdir)) else disk["checkpoints"])
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.workdir).free
+    if free < need:
+        sys.exit(f"bench_llm_memory: {args.workdir} has {free / gib:.2f} GiB free; this run needs {need / gib:.2f} GiB "
+                 "(checkpoints not yet written, and the calibrated model's); give --workdir on a larger disk")
     started = time.perf_counter()
     write_checkpoints(args, Path(args.workdir))
     print(f"checkpoints in {args.workdir} ({time.perf_counter() - started:.0f} s)")
@@ -398,7 +443,6 @@ def main():
     for mode in modes:
         result = in_subprocess(__file__, mode)
         results.append(result)
-        gib = 2**30
         print(f"{mode:6s} FeatCal {result['seconds']:8.1f} s  floor {result['forward_floor_seconds']:7.1f} s  "
               f"x{result['ratio_to_floor']:5.2f}  peak RSS {result['peak_rss_bytes'] / gib:6.2f} GiB "
               f"= {result['peak_rss_bytes'] / result['model_bytes']:.2f} x one model ({result['model_bytes'] / gib:.2f} GiB); "
@@ -433,7 +477,7 @@ def main():
                "storage_dtype": args.storage_dtype, "accumulation_dtype": args.accumulation_dtype,
                "device": args.device, "upstream": args.upstream,
                "stream_device_bytes": args.stream_device_bytes, "stream_spill": args.stream_spill,
-               "results": results}
+               "predicted": {"out_of_core_peak": predicted, "disk": disk}, "results": results}
     if args.json:
         write_json(args.json, summary)
 

@@ -57,7 +57,7 @@ def test_markdown_names_the_command_each_blocks_choice_and_whether_the_targets_h
             "| 53.4 (lambda 0.0001, rho 2.5, alpha 0.6) |") in text
     assert "lambda, rho, alpha = 0.05, 2, 0.3" in text
     assert "`objective`, n = 8: auto - paper +8.1 at worst (meets the first target)" in text
-    assert "oracle - auto 0.3 on average, 0.3 at worst (meets the second)" in text
+    assert "oracle - auto 0.30 on average, 0.30 at worst (meets the second)" in text
     assert "0: {'lambda_': 1e-05, 'rho': 2.0, 'alpha': 0.3} (3.2 se)" in text and "(0.5 se) kept edge" in text
 
 

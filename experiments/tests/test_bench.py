@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "experiments" / "scripts"))
 import bench_calibration  # noqa: E402
 import bench_rows  # noqa: E402
+from bench_llm_memory import ARCHS  # noqa: E402
+from featcal_experiments.memory_budget import statistics_bytes  # noqa: E402
 import reproduce  # noqa: E402
 
 
@@ -52,6 +54,12 @@ def test_the_llm_memory_bench_runs_every_loading_mode_at_a_tiny_llama_shape(tmp_
         assert result["peak_device_bytes"] is None
         assert result["streams"]["device_budget_bytes"] is None and result["streams"]["peak_resident_bytes"] > 0
     lazy, eager, out_of_core = bench["results"]
+    # the statistics' peak is the formula's to the byte (featcal_experiments/memory_budget.py), in every mode
+    assert {r["statistics_bytes"] for r in bench["results"]} == {statistics_bytes(ARCHS["tiny"], "float32")}
+    # the disk the run said it needs before it wrote anything: the tensors of the 4 checkpoints (files add headers,
+    # an index and configs: a few KiB each)
+    overhead = sum(lazy["disk_bytes"].values()) - bench["predicted"]["disk"]["checkpoints"]
+    assert 0 <= overhead <= 4 * 64 * 2**10, overhead
     assert lazy["last_block_cosine"] == eager["last_block_cosine"]
     assert out_of_core["last_block_cosine"] == pytest.approx(lazy["last_block_cosine"], abs=1e-3)
     assert out_of_core["model_bytes"] == lazy["model_bytes"]  # the tied head counted once

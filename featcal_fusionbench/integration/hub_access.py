@@ -74,8 +74,19 @@ def _dataset_id(config: Any) -> Optional[str]:
         return _FIXED_DATASETS[target]
     if target in _PATH_LOADERS:
         args = config.get("_args_") or []
-        return hub_id(config.get("path", args[0] if args else None))
+        path = config.get("path", args[0] if args else None)
+        if path in _local_builders():  # `json`, `parquet`, `imagefolder`, ... over local `data_files` / `data_dir`
+            return None
+        return hub_id(path)
     return None
+
+
+def _local_builders() -> Set[str]:
+    """The builders ``datasets.load_dataset`` takes by name for files (``json``, ``csv``, ``parquet``, ``arrow``,
+    ``text``, ``imagefolder``, ...): no hub repository, though a name is what they are given."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    return set(_PACKAGED_DATASETS_MODULES)
 
 
 def _model_id(config: Any) -> Optional[str]:

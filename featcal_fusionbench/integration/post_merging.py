@@ -24,7 +24,7 @@ from .data import check_splits
 from .hub_access import check_hub_access, fetch_only_loaded_files, hub_id, pool_sources
 from .memory import peak_rss_bytes
 from .pool_names import warn_if_nothing_is_evaluated
-from .upstream import check_upstream_source, load_merged_model
+from .upstream import check_upstream_merger, check_upstream_source, load_merged_model
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class PostMergingMixin:
         if not tasks:
             raise ValueError("the model pool has no expert models besides `_pretrained_`")
         check_upstream_source(modelpool, self.upstream, self.merged_model_path)
+        if self.merged_model_path is None and not modelpool.has_merged:  # the upstream will run
+            check_upstream_merger(self.upstream, self.method_name)
         calibration = getattr(self, "calibration_datasets", None)
         merged_id = hub_id(self.merged_model_path)
         merged = [("method.merged_model_path", merged_id, "model")] if merged_id else []

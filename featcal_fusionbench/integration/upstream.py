@@ -40,6 +40,69 @@ def instantiate_upstream(upstream: Any, parent: Any):
     return method
 
 
+# FusionBench 0.2.33's method classes whose run(modelpool) does not return one merged model of the pool's
+# architecture, and what they return instead (read from each class's run(); experiments/results/upstreams.md lists
+# every method config with its file and line). Any other class is taken as a merger; its output is checked when it
+# returns (``check_same_architecture``).
+NOT_ONE_MERGED_MODEL = {
+    **dict.fromkeys([
+        "MixtralForCausalLMUpscalingAlgorithm", "MixtralMoEMergingAlgorithm", "MixtralUpscalingAlgorithm",
+        "SmileUpscalingAlgorithm", "SmileCausalLMUpscalingAlgorithm", "SmileMistralUpscalingAlgorithm",
+        "SmileQwen2UpscalingAlgorithm", "CLIPWeightEnsemblingMoEAlgorithm", "SparseCLIPWeightEnsemblingMoEAlgorithm",
+        "FlanT5WeightEnsemblingMoEAlgorithm", "CLIPRankOneMoEAlgorithm", "PWEMoEExactParetoOptimalForOpenCLIP",
+        "PWEMoELinearScalarizationForOpenCLIP", "DepthUpscalingAlgorithm"],
+        "an upscaled model (mixture of experts or added layers), not one model of the pool's architecture"),
+    **dict.fromkeys([
+        "SimpleEnsembleAlgorithm", "WeightedEnsembleAlgorithm", "MaxModelPredictorAlgorithm",
+        "DataAdaptiveWeightEnsemblingForCLIP", "EMRMerging", "TallMaskTaskArithmeticAlgorithm",
+        "ResNetTaskWiseAdamerging"],
+        "an ensemble or a model with per-task parts, not one model of the pool's architecture"),
+    **dict.fromkeys([
+        "PWEMoELinearScalarizationForCLIP", "SuperposedModelSoupAlgorithm", "SuperposedTaskArithmeticAlgorithm",
+        "SuperposedTaskArithmeticLoRAAlgorithm", "CLIPLayerWiseGossipAlgorithm", "FlanT5LayerWiseGossipAlgorithm",
+        "CLIPLayerWiseAdaMergingSurgeryAlgorithm", "ModelRecombinationAlgorithm"],
+        "several models, a dict or a model pool, not one merged model"),
+    **dict.fromkeys([
+        "ImageClassificationFineTuningForCLIP", "ContinualImageClassificationFineTuningForCLIP",
+        "ImageClassificationFineTuning", "ImageClassificationFineTuning_Test", "FullFinetuneSFT", "PeftFinetuneSFT",
+        "BradleyTerryRewardModeling"],
+        "a fine-tuned model: it trains, it does not merge the pool's experts"),
+    **dict.fromkeys([
+        "MagnitudePruningForLlama", "RandomPruningForLlama", "SparseGPTPruningForLlama", "WandaPruningForLlama",
+        "MagnitudeDiffPruningAlgorithm", "SparseLoForLlama", "IterativeSparseLoForLlama", "PCPSparseLoForLlama",
+        "LayerWisePruningForMixtral", "MoEPruner", "BitDeltaAlgorithm"],
+        "a pruned or compressed model: it compresses, it does not merge the pool's experts"),
+    **dict.fromkeys([
+        "TaskVectorCosSimilarity", "TaskVectorViolinPlot", "ErrorAccumulationAnalysisForCLIP",
+        "ProjectedEnergyAnalysis"],
+        "an analysis: no merged model"),
+}
+
+
+def upstream_class_name(upstream: Any) -> Optional[str]:
+    """The class an upstream config names (its ``_target_``'s last part) or an instantiated upstream's."""
+    if isinstance(upstream, (dict, DictConfig)):
+        target = upstream.get("_target_")
+        return None if not isinstance(target, str) else target.rsplit(".", 1)[-1]
+    return None if upstream is None else type(upstream).__name__
+
+
+def check_upstream_merger(upstream: Any, method_name: str) -> None:
+    """Refuse, before any work, an upstream whose output the post-merging method cannot take."""
+    if upstream is None:
+        return
+    if isinstance(upstream, (dict, DictConfig)) and not isinstance(upstream.get("_target_"), str):
+        raise ValueError(
+            f"the upstream method config has no `_target_` (FusionBench's configs of the older `name:` form are "
+            f"not instantiable): {dict(upstream)}")
+    name = upstream_class_name(upstream)
+    if name in NOT_ONE_MERGED_MODEL:
+        raise ValueError(
+            f"the upstream method {name} returns {NOT_ONE_MERGED_MODEL[name]}; {method_name} calibrates one merged "
+            f"model of the pool's architecture: choose a merger (method/upstream=task_arithmetic, ties_merging, "
+            f"regmean_plusplus/clip_regmean_plusplus, ...)")
+
+
 def describe_upstream(upstream: Any) -> str:
     if isinstance(upstream, (dict, DictConfig)):
         return str(upstream.get("_target_"))

@@ -5,6 +5,10 @@
     featcal-report compare RUN...     the runs' models side by side (a run: its folder or its program_report.json);
                                       writes compare_drift.png (--out, default: the runs' common folder)
     featcal-report drift RUN          draws RUN/featcal_drift.png from its featcal_report.json
+    featcal-report leaderboard run DIR [--rows ...] [--columns ...] [--method COLUMN=CONFIG] -- POOL ARGS
+                                      upstream mergers x post-merging methods on one pool, a fusion_bench run per
+                                      cell (missing cells only); writes DIR/leaderboard.md, .csv and .png
+    featcal-report leaderboard show DIR   the same files from the cells there are
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import leaderboard
 from .compare import compare
 from .drift import DRIFT_PICTURE, write_drift_picture
 from .runs import METHOD_REPORTS
@@ -33,11 +38,47 @@ def _parser() -> argparse.ArgumentParser:
     comparison.add_argument("--out", type=Path)
     drift = commands.add_parser("drift", help="a FeatCal run's drift picture")
     drift.add_argument("run", type=Path)
+    board = commands.add_parser("leaderboard", help="upstream mergers x post-merging methods on one pool")
+    board.add_argument("action", choices=["run", "show"])
+    board.add_argument("folder", type=Path)
+    board.add_argument("--rows", help="name=config,... (FusionBench method configs; default: the CLIP rows: "
+                       + ",".join(leaderboard.CLIP_ROWS) + ")")
+    board.add_argument("--columns", default=",".join(leaderboard.COLUMNS), help="default: every column")
+    board.add_argument("--method", action="append", default=[], metavar="COLUMN=CONFIG",
+                       help="a post-merging column's method config (default: the CLIP ones, e.g. featcal=featcal/clip_ta)")
     return parser
 
 
+def _leaderboard(args) -> int:
+    """The number of cells that failed (0 for show)."""
+    failed = 0
+    columns = [c for c in args.columns.split(",") if c]
+    if args.action == "run":
+        methods = dict(leaderboard.CLIP_METHODS)
+        for item in args.method:
+            column, _, config = item.partition("=")
+            if column not in methods or not config:
+                raise ValueError(f"--method {item!r}: COLUMN=CONFIG with COLUMN one of {sorted(methods)}")
+            methods[column] = config
+        pool_args = args.pool_args
+        if not any(a.startswith("modelpool=") for a in pool_args):
+            raise ValueError("give the pool after --: modelpool=... taskpool=... (any fusion_bench arguments)")
+        cells = leaderboard.plan(leaderboard.parse_rows(args.rows), columns, methods, pool_args, args.folder)
+        counts = leaderboard.run_cells(cells, args.folder, leaderboard.fusion_bench_executable())
+        print(", ".join(f"{v} {k}" for k, v in counts.items()) + " cell(s)")
+        failed = counts["failed"]
+    written = leaderboard.write(args.folder, columns)
+    print(written[0].read_text())
+    print("wrote " + ", ".join(str(p) for p in written))
+    return failed
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # fusion_bench's arguments after `--` are passed through untouched (argparse would read a `--rows`-like one)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = _parser().parse_args(argv[:cut])
+    args.pool_args = argv[cut + 1:]
     try:
         if args.command == "sweep":
             if not args.folder.is_dir():
@@ -51,6 +92,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(text)
             if picture is not None:
                 print(f"\nwrote {picture}")
+        elif args.command == "leaderboard":
+            if _leaderboard(args):
+                return 1  # the board is written from the cells that ran; a rerun tries the failed ones again
         else:
             folder = args.run.parent if args.run.is_file() else args.run
             report = folder / METHOD_REPORTS["featcal"]

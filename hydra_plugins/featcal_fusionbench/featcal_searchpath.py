@@ -12,6 +12,9 @@ FusionBench configs that name hub ids the hub has renamed, and of its `path` con
 folder of its own for each job of a multirun (docs/compatibility.md, "FusionBench configs we
 override"). It holds nothing else, so that dropping it is all it takes once FusionBench releases
 the fixes. Importing this module registers the resolver that `path` config names.
+
+Last on the path: every FusionBench method config as an option of `method/upstream`, under its own name
+(`upstream_methods.py`), so `method/upstream=regmean_plusplus/clip_regmean_plusplus` chains FeatCal after it.
 """
 
 from hydra.core.config_search_path import ConfigSearchPath
@@ -24,6 +27,8 @@ register()
 FEATCAL_CONFIGS = "pkg://featcal_fusionbench_config"
 FEATCAL_CONFIG_FIXES = "pkg://featcal_fusionbench_config_fixes"
 FUSION_BENCH_CONFIGS = "pkg://fusion_bench_config"
+# FusionBench's method configs as options of method/upstream (upstream_methods.py), after ours
+FUSION_BENCH_UPSTREAMS = "fusion-bench-upstream://fusion_bench_config"
 
 
 class FeatCalSearchPathPlugin(SearchPathPlugin):
@@ -33,5 +38,7 @@ class FeatCalSearchPathPlugin(SearchPathPlugin):
             search_path.append(provider="fusion_bench", path=FUSION_BENCH_CONFIGS)
         if FEATCAL_CONFIGS not in paths:
             search_path.append(provider="featcal-fusionbench", path=FEATCAL_CONFIGS)
+        if FUSION_BENCH_UPSTREAMS not in paths:
+            search_path.append(provider="fusion-bench-upstream", path=FUSION_BENCH_UPSTREAMS)
         if FEATCAL_CONFIG_FIXES not in paths:
             search_path.prepend(provider="featcal-fusionbench-fixes", path=FEATCAL_CONFIG_FIXES)

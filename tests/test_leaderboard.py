@@ -1,0 +1,129 @@
+"""featcal-report leaderboard: the board's plan (every cell's fusion_bench command, before anything runs), its
+resume (a removed cell is the only one made again), and its table, CSV and picture (decoded and read back)."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from featcal_fusionbench.reports import leaderboard
+from featcal_fusionbench.reports.cli import main as report_main
+
+POOL = ["modelpool=CLIPVisionModelPool/x", "taskpool=CLIPVisionModelTaskPool/x"]
+
+# A stand-in for the fusion_bench executable: writes a program report into path.log_dir whose accuracies depend on
+# the method and the model it starts from, and the merged model folder where asked; every call logged.
+FAKE = '''#!{python}
+import json, sys, pathlib
+args = dict(a.split("=", 1) for a in sys.argv[1:])
+log_dir = pathlib.Path(args["path.log_dir"])
+with open({calls!r}, "a") as calls:
+    calls.write(log_dir.parent.name + "/" + log_dir.name + "\\n")
+if "fail" in args["method"]:
+    sys.exit(1)
+score = {{"upstream/task_arithmetic": 0.60, "upstream/ties_merging": 0.65}}.get(args["method"], 0.0)
+score += {{"featcal/clip_ta": 0.2, "surgery/clip_ta": 0.1}}.get(args["method"], 0.0)
+source = args.get("method.merged_model_path")
+if source:
+    score += json.loads((pathlib.Path(source) / "score.json").read_text())
+if "merged_model_save_path" in args:
+    saved = pathlib.Path(args["merged_model_save_path"])
+    saved.mkdir(parents=True)
+    (saved / "score.json").write_text(json.dumps(score))
+tasks = {{"a": score, "b": score - 0.1}}
+report = {{t: {{"accuracy": v}} for t, v in tasks.items()}}
+report["average"] = {{"accuracy": sum(tasks.values()) / 2}}
+(log_dir / "program_report.json").write_text(json.dumps(report))
+'''
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    calls = tmp_path / "calls.txt"
+    executable = tmp_path / "fusion_bench"
+    executable.write_text(FAKE.format(python=sys.executable, calls=str(calls)))
+    executable.chmod(0o755)
+    monkeypatch.setattr(leaderboard, "fusion_bench_executable", lambda: str(executable))
+    return calls
+
+
+def made(calls):
+    return calls.read_text().split() if calls.is_file() else []
+
+
+def test_the_plan_runs_each_merger_by_its_config_and_calibrates_its_saved_model(tmp_path):
+    rows = leaderboard.parse_rows("task_arithmetic,regmean_plusplus,mine=isotropic_merging/iso_c")
+    assert rows == {"task_arithmetic": "task_arithmetic", "regmean_plusplus": "regmean_plusplus/clip_regmean_plusplus",
+                    "mine": "isotropic_merging/iso_c"}
+    cells = {(c.row, c.column): c for c in leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS,
+                                                            POOL, tmp_path)}
+    upstream = cells["regmean_plusplus", "upstream"]
+    saved = str((tmp_path / "regmean_plusplus" / "upstream" / "merged").resolve())
+    assert upstream.args == ["method=upstream/regmean_plusplus/clip_regmean_plusplus",
+                             f"merged_model_save_path={saved}", *POOL]
+    assert cells["regmean_plusplus", "featcal_auto"].args[:2] == ["method=featcal/auto_clip_ta",
+                                                                 f"method.merged_model_path={saved}"]
+    assert cells["regmean_plusplus", "svc"].unavailable and cells["regmean_plusplus", "svc_featcal"].unavailable
+    assert cells["task_arithmetic", "svc"].args[0] == "method=singular_value_calibration/task_arithmetic"
+    assert cells["task_arithmetic", "svc_featcal"].args[1].endswith("task_arithmetic/svc/merged")
+    with pytest.raises(ValueError, match="unknown column"):
+        leaderboard.plan(rows, ["upstream", "featcal_v2"], leaderboard.CLIP_METHODS, POOL, tmp_path)
+    with pytest.raises(ValueError, match="add that column"):
+        leaderboard.plan(rows, ["featcal"], leaderboard.CLIP_METHODS, POOL, tmp_path)
+
+
+def test_a_rerun_makes_only_the_missing_cells_and_a_failed_source_skips_its_dependents(tmp_path, fake, capsys):
+    board = tmp_path / "board"
+    argv = ["leaderboard", "run", str(board), "--rows", "task_arithmetic,ties,broken=fail_merging",
+            "--columns", "upstream,surgery,featcal", "--", *POOL]
+    assert report_main(argv) == 1  # a cell failed: the board is written from the others
+    assert sorted(made(fake)) == sorted(["task_arithmetic/upstream", "task_arithmetic/surgery", "task_arithmetic/featcal",
+                                         "ties/upstream", "ties/surgery", "ties/featcal", "broken/upstream"])
+    assert "3 failed" in capsys.readouterr().out  # broken/upstream, and its surgery and featcal skipped
+    fake.unlink()
+    import shutil
+
+    shutil.rmtree(board / "ties" / "featcal")
+    assert report_main(argv) == 1
+    assert made(fake) == ["ties/featcal", "broken/upstream"]  # the removed cell, and the failed one tried again
+    table = {(r["upstream"], r["column"]): r for r in csv.DictReader(open(board / "leaderboard.csv"))}
+    assert float(table["ties", "featcal"]["average"]) == pytest.approx(100 * (0.65 + 0.2 + 0.65 + 0.2 - 0.1) / 2)
+    assert float(table["ties", "featcal"]["a"]) == pytest.approx(85.0)
+    assert float(table["ties", "featcal"]["peak_rss_gib"]) > 0 and float(table["ties", "featcal"]["seconds"]) > 0
+    text = (board / "leaderboard.md").read_text()
+    assert "| ties | 60.0 | 70.0 | **80.0** (best) |" in text and "| task_arithmetic | 55.0 | 65.0 | **75.0** |" in text
+    assert "broken" not in text
+
+
+def test_the_picture_is_a_heatmap_with_each_rows_best_boxed_and_the_best_starred(tmp_path):
+    import matplotlib.image
+
+    def cell(average):
+        return {"average": average, "tasks": {}, "seconds": 1.0, "calibration_seconds": None, "peak_rss_bytes": 1}
+
+    board = {"ta": {"upstream": cell(50.0), "featcal": cell(70.0)}, "ties": {"upstream": cell(80.0)}}
+    fig = leaderboard.figure(board, ["upstream", "featcal"])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts] == ["50.0", "70.0", "80.0", "n/a"]
+    boxes = [(p.get_x(), p.get_y()) for p in ax.patches]
+    assert boxes == [(0.5, -0.5), (-0.5, 0.5)]  # ta's best: featcal; ties's best: upstream
+    (star,) = ax.lines
+    assert star.get_marker() == "*" and round(float(star.get_ydata()[0])) == 1 - 0  # on the ties row
+    path = tmp_path / "board.png"
+    fig.savefig(path, dpi=60)
+    pixels = matplotlib.image.imread(path)[..., :3]
+    red = (pixels[..., 0] > 0.8) & (pixels[..., 1] < 0.2) & (pixels[..., 2] < 0.2)
+    gold = (pixels[..., 0] > 0.8) & (pixels[..., 1] > 0.6) & (pixels[..., 2] < 0.2)
+    assert red.sum() > 50 and gold.sum() > 10 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20
+
+
+def test_bad_leaderboard_arguments_are_refused_before_any_cell_runs(tmp_path, fake, capsys):
+    assert report_main(["leaderboard", "run", str(tmp_path / "b"), "--columns", "upstream,nope", "--", *POOL]) == 1
+    assert report_main(["leaderboard", "run", str(tmp_path / "b"), "--columns", "upstream"]) == 1
+    assert report_main(["leaderboard", "show", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "unknown column(s) ['nope']" in err and "give the pool after --" in err and "no finished cell" in err
+    assert not made(fake) and not (tmp_path / "b").exists()
