@@ -8,7 +8,8 @@ block's sums, at the fold of a task after the first), term by term:
   d < m), the projected form (sum of out x d_in); plus the vectors. A Llama block's groups: q/k/v (input d), o (d),
   gate/up (d), down (m), so 6 d^2 + m^2 + d m;
 - the block's omega-weighted sums (``core/block_sums.py``): a Gram per group (3 d^2 + m^2) and a target per module
-  (q, o: d^2; k, v: d_kv d; gate, up, down: m d), so 5 d^2 + 2 d_kv d + m^2 + 3 d m; and the RMSNorms' vectors;
+  (q, o: d^2; k, v: d_kv d; gate, up, down: m d), so 5 d^2 + 2 d_kv d + m^2 + 3 d m; and the RMSNorms' vectors
+  (float64, the solve's dtype);
 
 in all (11 d^2 + 2 m^2 + 4 d m + 2 d_kv d) values of the accumulation dtype, whatever the number of tasks (one
 task's moments exist at a time). The rest of the out-of-core peak is fitted, not derived: the runtime (measured
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Dict, Mapping
 
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-SOLVE_BYTES = 8  # the solves are float64 (core/solver.py's SOLVE_DTYPE)
+SOLVE_BYTES = 8  # the solves and the norms' sums are float64 (core/solver.py's SOLVE_DTYPE)
 
 
 def widths(shape: Mapping[str, int]) -> Dict[str, int]:
@@ -29,8 +30,9 @@ def widths(shape: Mapping[str, int]) -> Dict[str, int]:
     return {"d": d, "m": m, "d_kv": d // shape["num_attention_heads"] * shape["num_key_value_heads"]}
 
 
-def statistics_values(shape: Mapping[str, int]) -> int:
-    """Values of the accumulation dtype at the statistics' peak of one Llama block."""
+def statistics_values(shape: Mapping[str, int]) -> Dict[str, int]:
+    """Values at the statistics' peak of one Llama block: of the accumulation dtype, and float64 (the RMSNorms' sums,
+    built in the solve's dtype: ``BlockSums.add_norm``)."""
     w = widths(shape)
     d, m, kv = w["d"], w["m"], w["d_kv"]
     cross = lambda dim: 1 + dim + dim * dim + dim + dim * dim  # noqa: E731  weight, sum_cal, Gram, sum_exp, cross
@@ -38,11 +40,12 @@ def statistics_values(shape: Mapping[str, int]) -> int:
     norms = 2  # input_layernorm, post_attention_layernorm: weight_sum, sum_z, sum_zz
     moments = 3 * cross(d) + projected(m, d) + norms * (1 + 2 * d)
     sums = (3 * d * d + m * m) + (3 * d + m) + (2 * d * d + 2 * kv * d + 3 * m * d)  # Grams, means, targets
-    return moments + sums + norms * 3 * d  # q, z, r_gamma per RMSNorm
+    return {"accumulation": moments + sums, "float64": norms * 3 * d}  # q, z, r_gamma per RMSNorm
 
 
 def statistics_bytes(shape: Mapping[str, int], accumulation_dtype: str) -> int:
-    return statistics_values(shape) * BYTES[accumulation_dtype]
+    values = statistics_values(shape)
+    return values["accumulation"] * BYTES[accumulation_dtype] + values["float64"] * SOLVE_BYTES
 
 
 def block_parameters(shape: Mapping[str, int]) -> int:
