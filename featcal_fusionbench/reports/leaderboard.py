@@ -238,8 +238,10 @@ def figure(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
     per_row, overall = best_cells(board)
     for i, row in enumerate(rows):
         for j, column in enumerate(columns):
-            text = "n/a" if math.isnan(values[i, j]) else f"{values[i, j]:.1f}"
-            ax.text(j, i, text, ha="center", va="center", color="white" if not math.isnan(values[i, j]) else "grey",
+            value = values[i, j]
+            # dark text on the colour map's bright end, light on its dark end
+            color = "grey" if math.isnan(value) else "black" if image.norm(value) > 0.6 else "white"
+            ax.text(j, i, "n/a" if math.isnan(value) else f"{value:.1f}", ha="center", va="center", color=color,
                     fontsize=8)
         if row in per_row:
             j = columns.index(per_row[row])
