@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from .runs import read_run
+from .runs import points_scale, read_run
 
 #: the board's rows on a CLIP vision pool: FusionBench 0.2.33's config for each merger (fusion_bench_config/method/...;
 #: adamerging_clip and wudi are ours under method/upstream/: FusionBench's adamerging/clip is of the older `name:` form)
@@ -166,7 +166,7 @@ def read_board(folder: Path) -> Dict[str, Dict[str, dict]]:
             if run.problem:
                 continue
             scores = dict(run.scores)
-            scale = 100.0 if all(0.0 <= v <= 1.0 for v in scores.values()) else 1.0
+            scale = points_scale([scores])
             cost = json.loads((here / COST).read_text()) if (here / COST).is_file() else {}
             board.setdefault(row_dir.name, {})[column] = {
                 "average": scores.pop("average") * scale, "tasks": {t: v * scale for t, v in scores.items()},
