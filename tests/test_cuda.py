@@ -101,17 +101,6 @@ def test_out_of_core_computes_on_the_device_and_keeps_the_models_on_the_host(tmp
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one CUDA device: the two-device check needs two")
 def test_two_devices_calibrate_as_one(toy_world, tmp_path):
     """Two ranks on two devices (NCCL; spawned, as CUDA cannot be forked) give the single-device calibration."""
-    import lightning as L
+    from test_distributed import assert_two_ranks_match_one
 
-    from test_distributed import calibrate as calibrate_ranks
-
-    single = tmp_path / "single"
-    single.mkdir()
-    calibrate_ranks(L.Fabric(accelerator="cuda", devices=1), toy_world["modelpool"], single)
-    fabric = L.Fabric(accelerator="cuda", devices=2, strategy="ddp_spawn")
-    fabric.launch(calibrate_ranks, toy_world["modelpool"], str(tmp_path))
-    reference = torch.load(single / "rank0.pt")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    for key, expected in reference.items():
-        assert torch.equal(ranks[0][key], ranks[1][key]), f"ranks disagree on {key}"
-        torch.testing.assert_close(ranks[0][key], expected, rtol=1e-4, atol=1e-5, msg=key)
+    assert_two_ranks_match_one("cuda", "ddp_spawn", toy_world["modelpool"], tmp_path)

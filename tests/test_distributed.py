@@ -24,18 +24,24 @@ def calibrate(fabric, modelpool_yaml, out_dir):
     torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out_dir}/rank{fabric.global_rank}.pt")
 
 
-def test_two_gloo_ranks_match_one_process(toy_world, tmp_path):
+def assert_two_ranks_match_one(accelerator, strategy, modelpool_yaml, tmp_path):
+    """Calibrate on one device, then on two ranks: the ranks agree bit for bit and match the one within float
+    rounding; returns the single run's and the ranks' state dicts."""
     single = tmp_path / "single"
     single.mkdir()
-    calibrate(L.Fabric(accelerator="cpu", devices=1), toy_world["modelpool"], single)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=STRATEGY)
-    fabric.launch(calibrate, toy_world["modelpool"], str(tmp_path))
-
+    calibrate(L.Fabric(accelerator=accelerator, devices=1), modelpool_yaml, single)
+    fabric = L.Fabric(accelerator=accelerator, devices=2, strategy=strategy)
+    fabric.launch(calibrate, modelpool_yaml, str(tmp_path))
     reference = torch.load(single / "rank0.pt")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for key, expected in reference.items():
         assert torch.equal(ranks[0][key], ranks[1][key]), f"ranks disagree on {key}"
         torch.testing.assert_close(ranks[0][key], expected, rtol=1e-4, atol=1e-5, msg=key)
+    return reference, ranks
+
+
+def test_two_gloo_ranks_match_one_process(toy_world, tmp_path):
+    reference, ranks = assert_two_ranks_match_one("cpu", STRATEGY, toy_world["modelpool"], tmp_path)
     # and the runs calibrated something: every block's linear weights moved from the upstream merge by more than
     # the tolerance the ranks are held to
     upstream = instantiate(TA).run(instantiate(OmegaConf.load(toy_world["modelpool"]))).state_dict()
