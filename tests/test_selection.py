@@ -119,6 +119,7 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
         ({"folds": 1}, "folds must be an integer >= 2"),
         ({"noise_z": -1}, "noise_z must be a number >= 0"),
         ({"widen": "yes"}, "widen must be true or false"),
+        ({"least_shrinkage": 1}, "least_shrinkage must be true or false"),
         ({"heldout_fraction": 0.0}, "heldout_fraction must lie strictly between 0 and 1"),
         ({"heldout_fraction": 1.0}, "heldout_fraction must lie strictly between 0 and 1"),
         ({"grid": {"lambda_": []}}, r"grid.lambda_ is empty"),
@@ -244,6 +245,43 @@ def test_the_methods_values_are_kept_unless_the_evidence_beats_them_by_more_than
     assert "the method's values kept within the noise in block(s) 0-2" in describe_choice(auto)
     _, report = _search(tiny_world(batches=4), "objective", noise_z=0.0, grid=grid)
     assert "lambda_=0.05,rho=2,alpha=0.3" not in report["auto_select"]["choice"]["per_block"]
+
+
+def _least_shrinkage(per_part, best, least_shrinkage=True, widened=None):
+    from featcal_fusionbench.autoselect.policy import CrossFitChoice, CrossFitSelection, Search
+
+    search = Search((1e-6, 1e-5, 1e-4, 1e-3), (2.0,), (0.3,), noise_z=2.0, least_shrinkage=least_shrinkage)
+    choice = CrossFitChoice(CrossFitSelection(search, folds=4), FeatCalHParams())
+    return choice._least_shrinkage(per_part, best, search.lambdas, widened or {})
+
+
+def test_least_shrinkage_takes_the_smallest_lambda_within_the_noise_of_the_held_out_best():
+    """Per fold held-out scores (lower is better): 1e-3 the best; 1e-4 behind it by less than two standard errors of
+    the paired fold differences, 1e-5 and 1e-6 by more; a candidate at another rho is never taken. The smallest
+    lambda within the noise is 1e-4; with the rule off, or with nothing within the noise, the best stays."""
+    key = lambda lam, rho=2.0: f"lambda_={lam:g},rho={rho:g},alpha=0.3"  # noqa: E731
+    per_part = {key(1e-3): [0.0, 0.0, 0.0, 0.0], key(1e-4): [0.3, -0.2, 0.4, -0.1],  # +0.4, se 0.55
+                key(1e-5): [1.0, 1.1, 0.9, 1.0], key(1e-6): [2.0, 2.1, 1.9, 2.0],  # +4.0, se 0.16; +8.0
+                key(1e-7, rho=1.0): [0.0, 0.0, 0.0, 0.0]}
+    best = {"lambda_": 1e-3, "rho": 2.0, "alpha": 0.3}
+    assert _least_shrinkage(per_part, best) == ({**best, "lambda_": 1e-4}, 1e-3)
+    assert _least_shrinkage(per_part, best, least_shrinkage=False) == (best, None)
+    per_part[key(1e-4)] = [1.0, 1.0, 1.1, 0.9]
+    assert _least_shrinkage(per_part, best) == (best, None)
+    # a value the widening added is a candidate like the grid's
+    per_part[key(1e-7)] = [0.1, -0.1, 0.0, 0.05]
+    assert _least_shrinkage(per_part, best, widened={"lambda_": [1e-7]}) == ({**best, "lambda_": 1e-7}, 1e-3)
+
+
+def test_the_log_line_names_the_blocks_whose_lambda_is_the_least_shrinkage_within_the_noise():
+    blocks = [{"block": 0, "chosen": "lambda_=1e-05,rho=2,alpha=0.3", "margin": 1.0, "margin_se": 3.0},
+              {"block": 1, "chosen": "lambda_=1e-05,rho=2,alpha=0.3", "margin": -0.2, "margin_se": -0.5,
+               "held_out_best_lambda": 1e-4},
+              {"block": 2, "chosen": "lambda_=1e-06,rho=2,alpha=0.3", "margin": -0.1, "margin_se": -0.4,
+               "held_out_best_lambda": 1e-5}]
+    line = describe_choice({"choice": {"per_block": [b["chosen"] for b in blocks]}, "blocks": blocks, "noise_z": 2.0})
+    assert "lambda the smallest within the noise of the held-out best in block(s) 1-2" in line
+    assert "runner-up 3.0-3.0 standard errors behind" in line
 
 
 def test_a_winning_grid_edge_is_widened_a_decade_at_a_time_within_the_floor_and_the_cap():

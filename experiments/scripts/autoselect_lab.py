@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from autoselect_study import catalog_for, without_log_dir  # noqa: E402
+from diagnostics import machine  # noqa: E402
 
 LAMBDAS = tuple(10.0**k for k in range(-8, 2))
 RHOS = (0.5, 1.0, 1.5, 2.0, 2.5)
@@ -117,7 +118,9 @@ def main(argv=None) -> int:
             policy = VariantSelection(candidates, **kwargs)
         started = time.perf_counter()
         result = lab.score(args.n, args.seed, policy=policy)
-        out = {"name": args.name, "world": args.world, "n": args.n, "seed": args.seed, "average": result["average"],
+        out = {"command": "python experiments/scripts/autoselect_lab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+               "name": args.name, "world": args.world, "n": args.n, "seed": args.seed, "average": result["average"],
                "scores": result["scores"], "choices": [e["chosen"] for e in policy.log], "log": policy.log,
                "seconds": time.perf_counter() - started}
         path = args.out / f"variant-{args.world}-n{args.n}-seed{args.seed}-{args.name}.json"
@@ -153,7 +156,9 @@ def main(argv=None) -> int:
         options = OmegaConf.to_container(OmegaConf.create(args.auto))
         result = lab.score(args.n, args.seed, auto_select=options)
         auto = result["report"]["auto_select"]
-        out = {"world": args.world, "n": args.n, "seed": args.seed, "auto_select": options,
+        out = {"command": "python experiments/scripts/autoselect_lab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+               "world": args.world, "n": args.n, "seed": args.seed, "auto_select": options,
                "average": result["average"], "scores": result["scores"], "choice": auto["choice"],
                "cost_multiple": auto["cost_multiple"], "candidates": auto.get("candidates"), "blocks": auto.get("blocks")}
         with open(args.out / "auto.jsonl", "a") as f:

@@ -87,3 +87,30 @@ def test_commands_show_run_folders_relative_to_the_repository_and_the_worlds_fol
     assert study.shown(args) == ("fusion_bench method=featcal/clip_ta "
                                  "method.merged_model_path=outputs/autoselect/x/ta/merged "
                                  "hydra.searchpath=[file://${FEATCAL_WORLDS_DIR}/llm/config]")
+
+
+def test_the_lambda_oracle_sweeps_lambda_alone_at_the_papers_rho_and_alpha_and_resumes_its_points():
+    class FakeLab:
+        calls = []
+
+        def score(self, n, seed, lambda_, rho, alpha):
+            self.calls.append((lambda_, rho, alpha))
+            return {"average": 50.0 - abs(lambda_ - 1e-4) * 100, "scores": {}}
+
+    default = {"average": 50.0 - abs(0.05 - 1e-4) * 100, "lambda_": 0.05, "rho": 2.0, "alpha": 0.3}
+    cached = {"points": [{"lambda_": 1e-7, "rho": 2.0, "alpha": 0.3, "average": 49.99, "tasks": {}, "seconds": 1.0}]}
+    lab = FakeLab()
+    out = study.oracle(lab, 256, 42, default, "lambda", cached, lambda: None)
+    assert lab.calls == [(0.05, 2.0, 0.3)] + [(10.0**k, 2.0, 0.3) for k in range(-6, -1)], "1e-7 was cached"
+    assert out["best"]["lambda_"] == pytest.approx(1e-4) and out["best_at_paper_alpha"] == out["best"]
+    assert {p["alpha"] for p in out["grid"]} == {0.3} and {p["rho"] for p in out["grid"]} == {2.0}
+
+
+def test_a_block_whose_lambda_is_the_least_shrinkage_shows_the_held_out_best():
+    blocks = [{"block": 0, "chosen": "lambda_=1e-05,rho=2,alpha=0.3", "margin_se": -0.5, "kept": None,
+               "edge": None, "held_out_best_lambda": 1e-4}]
+    result = {"world": "t5", "world_fingerprint": "abc", "command": "python x", "machine": "m", "date": "d",
+              "seconds": 60, "upstream": 24.5, "runs_made": 1, "runs_resumed": 0, "criteria": ["objective"],
+              "oracle_space": "lambda", "runs": [run(256, 42, 41.9, {"objective": 42.0}, 42.1, blocks=blocks)]}
+    result["summary"] = study.summary(result)
+    assert "0: lambda_=1e-05,rho=2,alpha=0.3 (-0.5 se) (held-out best lambda 0.0001)" in study.markdown(result)

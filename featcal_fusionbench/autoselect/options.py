@@ -54,7 +54,8 @@ class SelectionOptions:
     ``agreement``); ``grid`` tries every combination. Criterion ``objective``: ``folds`` parts of each task's
     examples, each held out once; ``widen`` extends lambda past a grid edge that wins, down to the numerical floor
     of the moments' dtype (up to 1e4); ``noise_z``: the method's own values are kept unless the best beats them
-    by more than this many standard errors (of the per-fold differences; 0 takes the best). Criteria ``drift`` /
+    by more than this many standard errors (of the per-fold differences; 0 takes the best); ``least_shrinkage``: the
+    smallest lambda whose score is within ``noise_z`` standard errors of the best lambda's is taken. Criteria ``drift`` /
     ``agreement``: ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
     (null: the method's ``seed``).
     """
@@ -63,6 +64,7 @@ class SelectionOptions:
     folds: int = 4
     noise_z: float = 2.0
     widen: bool = True
+    least_shrinkage: bool = True
     heldout_fraction: float = 0.25
     search: str = "coordinate"
     seed: Optional[int] = None
@@ -82,6 +84,8 @@ class SelectionOptions:
             problems.append(f"noise_z must be a number >= 0, got {z!r}")
         if not isinstance(self.widen, bool):
             problems.append(f"widen must be true or false, got {self.widen!r}")
+        if not isinstance(self.least_shrinkage, bool):
+            problems.append(f"least_shrinkage must be true or false, got {self.least_shrinkage!r}")
         if self.search not in SEARCHES:
             problems.append(f"search must be one of {list(SEARCHES)}, got {self.search!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

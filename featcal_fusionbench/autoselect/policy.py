@@ -8,9 +8,14 @@ two candidates (paired over the parts). The search (``Search``): lambda first, o
 alpha, the grid widened past an edge that wins (down to the numerical floor, up to ``LAMBDA_CAP``); then rho (x alpha
 when a grid of alphas is given) at that lambda, every rho from two solves per site (each solution is affine in rho).
 rho is not widened: the held-out objective scores against the experts' own features, and a larger rho (the anchor
-extrapolated past the merge, away from the base) moves toward them whatever the test labels say. The choice: the best score, unless the
-method's own values (or the best lambda at the method's rho and alpha) score within ``noise_z`` standard errors of
-it, which are then kept: the held-out evidence has to beat the configuration by more than its own noise. The loop
+extrapolated past the merge, away from the base) moves toward them whatever the test labels say. Least shrinkage: the lambda
+taken is the smallest whose held-out score is within ``noise_z`` standard errors of the best lambda's (at the same
+rho and alpha), the mirror of the one-standard-error rule. The held-out objective is a squared error, dominated by
+the directions in which the features vary most, which the ridge shrinks least; its cost falls on the directions of
+small variance, which carry much of what tells one task's inputs apart: on every offline world measured the
+test-label optimum lies at or below the held-out optimum's lambda (docs/featcal.md). The choice: the best score,
+unless the method's own values (or the best lambda at the method's rho and alpha) score within ``noise_z`` standard
+errors of it, which are then kept: the held-out evidence has to beat the configuration by more than its own noise. The loop
 then solves the block with the choice on all of each task's batches and loads it, so the next block chooses on the
 chosen prefix (greedy, per block), in the one pass that calibrates.
 """
@@ -37,7 +42,8 @@ class Search:
     """What a block's choice tries: ``lambdas`` (at the method's rho and alpha) then ``rhos`` x ``alphas`` at the
     chosen lambda (``coordinate``), or every combination at once (``grid``); ``floor``: the smallest lambda worth
     solving (below it the ridge is under the moments' own rounding); ``widen``: extend lambda past a winning
-    edge; ``noise_z``: how many standard errors the evidence must beat the method's values by."""
+    edge; ``noise_z``: how many standard errors the evidence must beat the method's values by; ``least_shrinkage``:
+    the smallest lambda within ``noise_z`` standard errors of the best one."""
 
     lambdas: Tuple[float, ...]
     rhos: Tuple[float, ...]
@@ -46,6 +52,7 @@ class Search:
     floor: float = 1e-8
     widen: bool = True
     noise_z: float = 2.0
+    least_shrinkage: bool = True
 
 
 class CrossFitSelection:
@@ -174,16 +181,20 @@ class CrossFitChoice:
             self._score(step, [reference, *stage], per_part)
             best = _best(stage, total)
             best = self._widen_lambda(step, per_part, best, search.lambdas, widened)
+            best, relaxed = self._least_shrinkage(per_part, best, search.lambdas, widened)
         else:
             stage = [{**reference, "lambda_": lam} for lam in search.lambdas]
             self._score(step, [reference, *stage], per_part)
             best = _best(stage, total)
             best = self._widen_lambda(step, per_part, best, search.lambdas, widened)
+            best, relaxed = self._least_shrinkage(per_part, best, search.lambdas, widened)
             stage = [{**best, "rho": rho, "alpha": alpha} for rho in search.rhos for alpha in search.alphas]
             self._score(step, stage, per_part)
             best = _best([best, *stage], total)
         chosen, kept = self._keep_within_noise(per_part, best, reference)
         self.report = {"selection": self._summary(per_part, chosen, kept, widened, search, step)}
+        if relaxed is not None and not kept:
+            self.report["selection"]["held_out_best_lambda"] = relaxed
         self.parts = self.heldout = None
         return with_candidate(hp, chosen)
 
@@ -205,6 +216,22 @@ class CrossFitChoice:
                 if _total(per_part[candidate_key(candidate)]) < _total(per_part[candidate_key(best)]):
                     best = candidate
         return best
+
+    def _least_shrinkage(self, per_part, best: Candidate, grid: Sequence[float], widened) -> Tuple[Candidate, Optional[float]]:
+        """The smallest scored lambda at ``best``'s rho and alpha whose held-out score is within ``noise_z`` standard
+        errors of ``best``'s, and the best's lambda where that is another (else None)."""
+        search = self.policy.search
+        if not search.least_shrinkage:
+            return best, None
+        for lam in sorted({*grid, *widened.get("lambda_", [])}):
+            if lam >= best["lambda_"]:
+                break
+            key = candidate_key({**best, "lambda_": lam})
+            if key in per_part:
+                margin, error = _difference(per_part[key], per_part[candidate_key(best)])
+                if math.isfinite(margin) and margin <= search.noise_z * error:
+                    return {**best, "lambda_": lam}, best["lambda_"]
+        return best, None
 
     def _keep_within_noise(self, per_part, best: Candidate, reference: Candidate) -> Tuple[Candidate, Optional[str]]:
         """The method's own values where the best does not beat them by more than ``noise_z`` standard errors; else

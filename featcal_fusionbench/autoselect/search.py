@@ -88,7 +88,8 @@ def search_for(options: SelectionOptions, hp: FeatCalHParams, grid) -> Search:
     of a unit-norm Gram (and the solve's own ``eps``) a ridge no longer tells directions apart."""
     floor = max(hp.eps, float(torch.finfo(hp.torch_accumulation_dtype).eps))
     return Search(tuple(grid["lambda_"]), tuple(grid["rho"]), tuple(grid["alpha"]), mode=options.search,
-                  floor=floor, widen=options.widen, noise_z=options.noise_z)
+                  floor=floor, widen=options.widen, noise_z=options.noise_z,
+                  least_shrinkage=options.least_shrinkage)
 
 
 def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, merged, base, experts, parts,
@@ -237,7 +238,8 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     report["auto_select"] = {
         "criterion": options.criterion,
         "search": f"per_block ({options.search})" if objective else options.search,
-        **({"folds": options.folds, "noise_z": options.noise_z, "widen": options.widen} if objective
+        **({"folds": options.folds, "noise_z": options.noise_z, "widen": options.widen,
+            "least_shrinkage": options.least_shrinkage} if objective
            else {"heldout_fraction": options.heldout_fraction}),
         "seed": seed,
         "grid": {k: list(v) for k, v in grid.items()},
@@ -274,6 +276,9 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
         unclear = sum(1 for v in z if v < auto.get("noise_z", 2.0))
         parts.append(f"runner-up {min(z):.1f}-{max(z):.1f} standard errors behind"
                      + (f" (within {auto.get('noise_z', 2.0):g} in {unclear} of {len(z)} blocks)" if unclear else ""))
+    relaxed = [e["block"] for e in blocks if "held_out_best_lambda" in e]
+    if relaxed:
+        parts.append(f"lambda the smallest within the noise of the held-out best in block(s) {_spans(relaxed)}")
     kept = [e["block"] for e in blocks if e.get("kept")]
     if kept:
         parts.append(f"the method's values kept within the noise in block(s) {_spans(kept)}")
