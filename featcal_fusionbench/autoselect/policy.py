@@ -12,8 +12,8 @@ extrapolated past the merge, away from the base) moves toward them whatever the 
 taken is the smallest whose held-out score is within ``noise_z`` standard errors of the best lambda's (at the same
 rho and alpha), the mirror of the one-standard-error rule. The held-out objective is a squared error, dominated by
 the directions in which the features vary most, which the ridge shrinks least; its cost falls on the directions of
-small variance, which carry much of what tells one task's inputs apart: on every offline world measured the
-test-label optimum lies at or below the held-out optimum's lambda (docs/featcal.md). The choice: the best score,
+small variance, which carry much of what tells one task's inputs apart: where the two differed on the offline
+worlds measured, the test labels' best lambda lay below the held-out objective's (docs/featcal.md). The choice: the best score,
 unless the method's own values (or the best lambda at the method's rho and alpha) score within ``noise_z`` standard
 errors of it, which are then kept: the held-out evidence has to beat the configuration by more than its own noise. The loop
 then solves the block with the choice on all of each task's batches and loads it, so the next block chooses on the
