@@ -418,4 +418,3 @@ class TaskCrossFitChoice(CrossFitChoice):
         policy.log.append({"block": self.index, "per_task": per_task, "uncalibrated": uncal, "chosen": chosen})
         by_key = {candidate_key(c): c for c in policy.candidates}
         return with_candidate(self.hparams, by_key[chosen])
-
