@@ -121,6 +121,17 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def llm_step(name: str, bench_args, device: str, out: Path, json_path: Path) -> dict:
+    """One out-of-core LLM bench as a step, its checkpoints removed after it (gigabytes at the 3B shape, 28 GiB at
+    the 70B one)."""
+    work = out / "work"
+    step = run_step(name, [sys.executable, str(SCRIPTS / "bench_llm_memory.py"), *bench_args, "--modes", "out_of_core",
+                           "--device", device, "--workdir", str(work), "--json", str(json_path)], out, LIMITS[name])
+    step["figures"] = figures(step, json_path)
+    shutil.rmtree(work, ignore_errors=True)
+    return step
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=sorted(SHAPES), default="cuda")
@@ -134,7 +145,6 @@ def main(argv=None) -> int:
         return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = out / "work"
     clip_args, llm_args = SHAPES[args.device]
     python = sys.executable
     started = time.perf_counter()
@@ -149,20 +159,10 @@ def main(argv=None) -> int:
     step["figures"] = figures(step, clip_json)
     steps.append(step)
     llm_json = out / "llama3b_2layers_out_of_core.json" if args.device == "cuda" else out / "llm_tiny.json"
-    step = run_step("llm", [python, str(SCRIPTS / "bench_llm_memory.py"), *llm_args, "--modes", "out_of_core",
-                            "--device", args.device, "--workdir", str(work), "--json", str(llm_json)], out,
-                    LIMITS["llm"])
-    step["figures"] = figures(step, llm_json)
-    steps.append(step)
-    shutil.rmtree(work, ignore_errors=True)  # the benches' checkpoints: gigabytes at the 3B shape
+    steps.append(llm_step("llm", llm_args, args.device, out, llm_json))
     if args.llama70b:
         llm70b_json = out / ("llama70b_1layer_bf16_f32_out_of_core.json" if args.device == "cuda" else "llm70b_tiny.json")
-        step = run_step("llm70b", [python, str(SCRIPTS / "bench_llm_memory.py"), *LLAMA70B[args.device], "--modes",
-                                   "out_of_core", "--device", args.device, "--workdir", str(work), "--json",
-                                   str(llm70b_json)], out, LIMITS["llm70b"])
-        step["figures"] = figures(step, llm70b_json)
-        steps.append(step)
-        shutil.rmtree(work, ignore_errors=True)
+        steps.append(llm_step("llm70b", LLAMA70B[args.device], args.device, out, llm70b_json))
     failed = [s["name"] for s in steps if s["returncode"] != 0 or s.get("counts", {}).get("failed")]
     summary = {"command": "python experiments/scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
