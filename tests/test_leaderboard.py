@@ -127,3 +127,33 @@ def test_bad_leaderboard_arguments_are_refused_before_any_cell_runs(tmp_path, fa
     err = capsys.readouterr().err
     assert "unknown column(s) ['nope']" in err and "give the pool after --" in err and "no finished cell" in err
     assert not made(fake) and not (tmp_path / "b").exists()
+
+
+def test_an_earlier_boards_csv_fills_the_cells_this_folder_lacks_and_its_own_cells_win(tmp_path, fake, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert report_main(["leaderboard", "run", str(first), "--rows", "task_arithmetic,ties", "--columns",
+                        "upstream,featcal", "--", *POOL]) == 0
+    lines = list(csv.DictReader(open(first / "leaderboard.csv")))
+    earlier = {(r["upstream"], r["column"]): dict(r) for r in lines}
+    for line in lines:  # an earlier board whose ties cell a rerun replaces
+        if (line["upstream"], line["column"]) == ("ties", "featcal"):
+            line["average"] = "99.0000"
+    with open(first / "leaderboard.csv", "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(lines[0]))
+        writer.writeheader()
+        writer.writerows(lines)
+    assert report_main(["leaderboard", "run", str(second), "--rows", "ties", "--columns", "upstream,featcal",
+                        "--include", str(first / "leaderboard.csv"), "--", *POOL]) == 0
+    table = {(r["upstream"], r["column"]): r for r in csv.DictReader(open(second / "leaderboard.csv"))}
+    assert sorted(table) == sorted(earlier)
+    assert table["ties", "featcal"]["average"] == earlier["ties", "featcal"]["average"]  # its own cell, not 99
+    assert table["task_arithmetic", "featcal"] == earlier["task_arithmetic", "featcal"]  # the CSV's, every field
+    assert "| task_arithmetic | 55.0 | **75.0** |" in (second / "leaderboard.md").read_text()
+    calls = made(fake)
+    assert report_main(["leaderboard", "show", str(second), "--include", str(tmp_path / "nope.csv")]) == 1
+    (tmp_path / "other.csv").write_text("row,value\n")
+    assert report_main(["leaderboard", "run", str(tmp_path / "third"), "--include", str(tmp_path / "other.csv"),
+                        "--", *POOL]) == 1
+    err = capsys.readouterr().err
+    assert "nope.csv" in err and "not a leaderboard CSV" in err
+    assert made(fake) == calls and not (tmp_path / "third").exists()

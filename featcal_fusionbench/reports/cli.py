@@ -8,7 +8,8 @@
     featcal-report leaderboard run DIR [--rows ...] [--columns ...] [--method COLUMN=CONFIG] -- POOL ARGS
                                       upstream mergers x post-merging methods on one pool, a fusion_bench run per
                                       cell (missing cells only); writes DIR/leaderboard.md, .csv and .png
-    featcal-report leaderboard show DIR   the same files from the cells there are
+    featcal-report leaderboard show DIR [--include CSV]
+                                      the same files from the cells there are (and an earlier board's CSV)
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     board.add_argument("--columns", default=",".join(leaderboard.COLUMNS), help="default: every column")
     board.add_argument("--method", action="append", default=[], metavar="COLUMN=CONFIG",
                        help="a post-merging column's method config (default: the CLIP ones, e.g. featcal=featcal/clip_ta)")
+    board.add_argument("--include", action="append", default=[], type=Path, metavar="CSV",
+                       help="an earlier board's leaderboard.csv: its cells are shown where DIR has none (repeatable)")
     return parser
 
 
@@ -53,6 +56,8 @@ def _leaderboard(args) -> int:
     """The number of cells that failed (0 for show)."""
     failed = 0
     columns = [c for c in args.columns.split(",") if c]
+    for path in args.include:  # checked before any cell runs
+        leaderboard.read_csv(path)
     if args.action == "run":
         methods = dict(leaderboard.CLIP_METHODS)
         for item in args.method:
@@ -67,7 +72,7 @@ def _leaderboard(args) -> int:
         counts = leaderboard.run_cells(cells, args.folder, leaderboard.fusion_bench_executable())
         print(", ".join(f"{v} {k}" for k, v in counts.items()) + " cell(s)")
         failed = counts["failed"]
-    written = leaderboard.write(args.folder, columns)
+    written = leaderboard.write(args.folder, columns, args.include)
     print(written[0].read_text())
     print("wrote " + ", ".join(str(p) for p in written))
     return failed

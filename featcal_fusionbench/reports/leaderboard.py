@@ -1,11 +1,13 @@
 """A leaderboard of one model pool: upstream mergers (rows) x post-merging columns, each cell a ``fusion_bench`` run.
 
     featcal-report leaderboard run DIR [--rows ...] [--columns ...] -- modelpool=... taskpool=...
-    featcal-report leaderboard show DIR
+    featcal-report leaderboard show DIR [--include CSV]
 
 ``run`` makes every missing cell (a cell is a folder ``DIR/<row>/<column>`` holding the run's files; one whose
 command and ``program_report.json`` are there is kept, so a rerun computes only what is missing) and then writes
-``DIR/leaderboard.md``, ``.csv`` and ``.png``; ``show`` writes them from the cells there are.
+``DIR/leaderboard.md``, ``.csv`` and ``.png``; ``show`` writes them from the cells there are. ``--include`` adds the
+cells of an earlier board's CSV (a board made in several sittings, on machines that did not keep each other's run
+folders) wherever DIR has no cell of its own.
 
 Rows name a merger by its FusionBench config under ``method/`` (or ours under ``method/upstream/``): the upstream
 cell runs it as ``method=upstream/<config>`` and saves the merged model, which the post-merging cells then start
@@ -176,6 +178,42 @@ def read_board(folder: Path) -> Dict[str, Dict[str, dict]]:
     return board
 
 
+CSV_FIXED = ("upstream", "column", "average")
+CSV_COSTS = ("calibration_seconds", "seconds", "peak_rss_gib")
+
+
+def read_csv(path: Path) -> Dict[str, Dict[str, dict]]:
+    """An earlier board's cells from its CSV (``write_csv``'s layout), as ``read_board`` gives them."""
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        header = reader.fieldnames or []
+        if tuple(header[:3]) != CSV_FIXED or tuple(header[-3:]) != CSV_COSTS:
+            raise ValueError(f"{path}: not a leaderboard CSV (its header should start with {', '.join(CSV_FIXED)} and "
+                             f"end with {', '.join(CSV_COSTS)}; got {', '.join(header)})")
+        tasks = header[3:-3]
+        board: Dict[str, Dict[str, dict]] = {}
+        for line in reader:
+            number = lambda key: float(line[key]) if line[key] else None  # noqa: E731
+            rss = number("peak_rss_gib")
+            board.setdefault(line["upstream"], {})[line["column"]] = {
+                "average": float(line["average"]),
+                "tasks": {t: float(line[t]) for t in tasks if line[t]},
+                "seconds": number("seconds"), "calibration_seconds": number("calibration_seconds"),
+                "peak_rss_bytes": None if rss is None else rss * 2**30,
+            }
+    return board
+
+
+def with_included(board: Dict[str, Dict[str, dict]], earlier: Sequence[Mapping[str, Mapping[str, dict]]]):
+    """``board`` with every cell of the ``earlier`` boards that it lacks (its own cells win), rows by name."""
+    merged = {row: dict(cells) for row, cells in board.items()}
+    for other in earlier:
+        for row, cells in other.items():
+            for column, cell in cells.items():
+                merged.setdefault(row, {}).setdefault(column, cell)
+    return {row: merged[row] for row in sorted(merged)}
+
+
 def best_cells(board: Mapping[str, Mapping[str, dict]]):
     """(row -> its best column, the best (row, column) overall)."""
     per_row = {row: max(cells, key=lambda c: cells[c]["average"]) for row, cells in board.items() if cells}
@@ -206,7 +244,7 @@ def write_csv(board: Mapping[str, Mapping[str, dict]], path: Path) -> None:
     tasks = sorted({t for cells in board.values() for cell in cells.values() for t in cell["tasks"]})
     with open(path, "w", newline="") as out:
         writer = csv.writer(out)
-        writer.writerow(["upstream", "column", "average", *tasks, "calibration_seconds", "seconds", "peak_rss_gib"])
+        writer.writerow([*CSV_FIXED, *tasks, *CSV_COSTS])
         for row, cells in board.items():
             for column, cell in cells.items():
                 rss = cell["peak_rss_bytes"]
@@ -254,10 +292,13 @@ def figure(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
     return fig
 
 
-def write(folder: Path, columns: Sequence[str] = COLUMNS) -> List[Path]:
-    board = read_board(folder)
+def write(folder: Path, columns: Sequence[str] = COLUMNS, include: Sequence[Path] = ()) -> List[Path]:
+    """The board's files from the cells in ``folder`` and, where it has none, those of the ``include`` CSVs."""
+    earlier = [read_csv(path) for path in include]  # read before the board's own CSV is written over
+    board = with_included(read_board(folder) if Path(folder).is_dir() else {}, earlier)
     if not board:
         raise ValueError(f"{folder}: no finished cell (a folder <row>/<column> with a {PROGRAM_REPORT})")
+    Path(folder).mkdir(parents=True, exist_ok=True)
     shown = [c for c in columns if any(c in cells for cells in board.values())]
     md, table, png = (Path(folder, name) for name in OUTPUTS)
     md.write_text(markdown(board, shown))
