@@ -59,7 +59,7 @@ TABLE4_TASKS = ["coding", "instruction", "math"]
 
 
 def family(name):
-    setting = name.split("/")[-1]
+    setting = name.split("/")[-1].removeprefix("auto_")  # a label-free config starts from its setting's values
     for prefix in ("flan_t5_large", "flan_t5", "mergebench_llama3.2_3b", "mergebench_llama3.1_8b", "causal_lm"):
         if setting.startswith(prefix):
             return prefix

@@ -412,10 +412,15 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
         auto = compose("fabric_model_fusion", overrides=["method=featcal/auto_clip_ta"]).method
+        t5 = compose("fabric_model_fusion", overrides=["method=featcal/auto_flan_t5_ta"]).method
+        paper_t5 = compose("fabric_model_fusion", overrides=["method=featcal/flan_t5_ta"]).method
         runs = [compose("fabric_model_fusion", overrides=["method=featcal", f"method.lambda_={v}"]).method for v in values]
     GlobalHydra.instance().clear()
     options = SelectionOptions.parse(OmegaConf.to_container(auto.auto_select))
     assert options.criterion == "objective" and options.folds == 4 and options.noise_z == 2.0 and options.widen
+    # the T5 one: the paper's FLAN-T5 configuration as its starting point, the same options
+    assert SelectionOptions.parse(OmegaConf.to_container(t5.auto_select)) == options
+    assert {k: v for k, v in t5.items() if k != "auto_select"} == {k: v for k, v in paper_t5.items() if k != "auto_select"}
     assert [r.lambda_ for r in runs] == [0.01, 0.05] and all(r.auto_select is False for r in runs)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
             policy = VariantSelection(candidates, **kwargs)
         started = time.perf_counter()
         result = lab.score(args.n, args.seed, policy=policy)
-        out = {"command": "python experiments/scripts/autoselect_lab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        out = {"command": "python experiments/scripts/autoselect_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "name": args.name, "world": args.world, "n": args.n, "seed": args.seed, "average": result["average"],
                "scores": result["scores"], "choices": [e["chosen"] for e in policy.log], "log": policy.log,
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         options = OmegaConf.to_container(OmegaConf.create(args.auto))
         result = lab.score(args.n, args.seed, auto_select=options)
         auto = result["report"]["auto_select"]
-        out = {"command": "python experiments/scripts/autoselect_lab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        out = {"command": "python experiments/scripts/autoselect_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "world": args.world, "n": args.n, "seed": args.seed, "auto_select": options,
                "average": result["average"], "scores": result["scores"], "choice": auto["choice"],
