@@ -56,8 +56,7 @@ def _leaderboard(args) -> int:
     """The number of cells that failed (0 for show)."""
     failed = 0
     columns = [c for c in args.columns.split(",") if c]
-    for path in args.include:  # checked before any cell runs
-        leaderboard.read_csv(path)
+    earlier = [leaderboard.read_csv(path) for path in args.include]  # read (and checked) before any cell runs
     if args.action == "run":
         methods = dict(leaderboard.CLIP_METHODS)
         for item in args.method:
@@ -72,7 +71,7 @@ def _leaderboard(args) -> int:
         counts = leaderboard.run_cells(cells, args.folder, leaderboard.fusion_bench_executable())
         print(", ".join(f"{v} {k}" for k, v in counts.items()) + " cell(s)")
         failed = counts["failed"]
-    written = leaderboard.write(args.folder, columns, args.include)
+    written = leaderboard.write(args.folder, columns, earlier)
     print(written[0].read_text())
     print("wrote " + ", ".join(str(p) for p in written))
     return failed

@@ -292,9 +292,10 @@ def figure(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
     return fig
 
 
-def write(folder: Path, columns: Sequence[str] = COLUMNS, include: Sequence[Path] = ()) -> List[Path]:
-    """The board's files from the cells in ``folder`` and, where it has none, those of the ``include`` CSVs."""
-    earlier = [read_csv(path) for path in include]  # read before the board's own CSV is written over
+def write(folder: Path, columns: Sequence[str] = COLUMNS,
+          earlier: Sequence[Mapping[str, Mapping[str, dict]]] = ()) -> List[Path]:
+    """The board's files from the cells in ``folder`` and, where it has none, those of ``earlier`` boards
+    (``read_csv``'s, read before this board's own CSV is written over)."""
     board = with_included(read_board(folder) if Path(folder).is_dir() else {}, earlier)
     if not board:
         raise ValueError(f"{folder}: no finished cell (a folder <row>/<column> with a {PROGRAM_REPORT})")
