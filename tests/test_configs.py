@@ -153,7 +153,7 @@ FUSION_BENCH_METHODS = Path(importlib.util.find_spec("fusion_bench_config").subm
 
 
 @pytest.mark.parametrize("name", ["featcal", "surgery/clip_ta", "probsurgery/flan_t5_ta"])
-@pytest.mark.parametrize("upstream", ["ties_merging", "regmean_plusplus/clip_regmean_plusplus",
+@pytest.mark.parametrize("upstream", ["ties_merging", "regmean/clip_regmean",
                                       "isotropic_merging/iso_cts", "singular_value_calibration/task_arithmetic"])
 def test_any_fusion_bench_method_config_is_an_upstream_by_its_own_name(method, name, upstream):
     """method/upstream=<the path of a config under FusionBench's method/ group>: its file, as FusionBench ships it,

@@ -8,13 +8,14 @@ config path (as it does from this repository's root), FusionBench's configs are 
 on the path at all; they are appended too, so `fabric_model_fusion` still resolves.
 
 One folder goes ahead of FusionBench's instead: `featcal_fusionbench_config_fixes`, copies of
-FusionBench configs that name hub ids the hub has renamed, and of its `path` config with a log
-folder of its own for each job of a multirun (docs/compatibility.md, "FusionBench configs we
-override"). It holds nothing else, so that dropping it is all it takes once FusionBench releases
+FusionBench configs that name hub ids the hub has renamed, of its `path` config with a log
+folder of its own for each job of a multirun, and of its RegMean++ config naming a class that
+constructs (docs/compatibility.md, "FusionBench configs we override"). It holds nothing else, so that dropping it is all it takes once FusionBench releases
 the fixes. Importing this module registers the resolver that `path` config names.
 
 Last on the path: every FusionBench method config as an option of `method/upstream`, under its own name
-(`upstream_methods.py`), so `method/upstream=regmean_plusplus/clip_regmean_plusplus` chains FeatCal after it.
+(`upstream_methods.py`), so `method/upstream=regmean_plusplus/clip_regmean_plusplus` chains FeatCal after it;
+the fixed method configs are served there too, ahead of FusionBench's.
 """
 
 from hydra.core.config_search_path import ConfigSearchPath
@@ -29,6 +30,7 @@ FEATCAL_CONFIG_FIXES = "pkg://featcal_fusionbench_config_fixes"
 FUSION_BENCH_CONFIGS = "pkg://fusion_bench_config"
 # FusionBench's method configs as options of method/upstream (upstream_methods.py), after ours
 FUSION_BENCH_UPSTREAMS = "fusion-bench-upstream://fusion_bench_config"
+FIXED_UPSTREAMS = "fusion-bench-upstream://featcal_fusionbench_config_fixes"
 
 
 class FeatCalSearchPathPlugin(SearchPathPlugin):
@@ -38,7 +40,8 @@ class FeatCalSearchPathPlugin(SearchPathPlugin):
             search_path.append(provider="fusion_bench", path=FUSION_BENCH_CONFIGS)
         if FEATCAL_CONFIGS not in paths:
             search_path.append(provider="featcal-fusionbench", path=FEATCAL_CONFIGS)
-        if FUSION_BENCH_UPSTREAMS not in paths:
-            search_path.append(provider="fusion-bench-upstream", path=FUSION_BENCH_UPSTREAMS)
+        for upstreams in (FIXED_UPSTREAMS, FUSION_BENCH_UPSTREAMS):
+            if upstreams not in paths:
+                search_path.append(provider="fusion-bench-upstream", path=upstreams)
         if FEATCAL_CONFIG_FIXES not in paths:
             search_path.prepend(provider="featcal-fusionbench-fixes", path=FEATCAL_CONFIG_FIXES)
