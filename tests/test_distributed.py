@@ -57,8 +57,11 @@ def calibrate_out_of_core(fabric, pool, out_dir):
 
     from test_out_of_core import ARGS, TA_BACKBONE
 
+    # the pool's twelve examples per task: folds auto (eight parts of one or two) would leave a rank without a share
+    # of a part, which is refused before any work (tests/test_selection.py); four parts of three
     algo = FeatCalAlgorithm(**{**ARGS, "num_calibration_examples": 12}, upstream=TA_BACKBONE, models_in_memory="none",
-                            return_upstream=True, auto_select={"grid": {"lambda_": [1e-4, 1e-2, 1.0], "rho": [0.5, 2.0]}})
+                            return_upstream=True, auto_select={"folds": 4,
+                                                               "grid": {"lambda_": [1e-4, 1e-2, 1.0], "rho": [0.5, 2.0]}})
     algo._fabric_instance = fabric
     algo._program = types.SimpleNamespace(merged_model_save_path=str(out_dir), log_dir=None, _taskpool=None)
     assert algo.run(pool) is None  # no task pool: both models stay on disk

@@ -116,7 +116,8 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
     "value, message",
     [
         ({"criterion": "accuracy"}, "criterion must be one of"),
-        ({"folds": 1}, "folds must be an integer >= 2"),
+        ({"folds": 1}, "folds must be auto or an integer >= 2"),
+        ({"folds": "eight"}, "folds must be auto or an integer >= 2"),
         ({"noise_z": -1}, "noise_z must be a number >= 0"),
         ({"widen": "yes"}, "widen must be true or false"),
         ({"least_shrinkage": 1}, "least_shrinkage must be true or false"),
@@ -137,14 +138,16 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
         FeatCalAlgorithm(auto_select=value)
 
 
-@pytest.mark.parametrize("auto_select, message", [
-    ({"folds": 20}, r"16 calibration example\(s\) in 20 folds leave a fold of 0"),
-    ({"criterion": "drift", "heldout_fraction": 0.01}, r"cannot be split into a fit and a held-out part .*0.01"),
+@pytest.mark.parametrize("auto_select, n, message", [
+    ({"folds": 20}, 16, r"16 calibration example\(s\) in 20 folds leave a fold of 0"),
+    ({"criterion": "drift", "heldout_fraction": 0.01}, 16, r"cannot be split into a fit and a held-out part .*0.01"),
+    (True, 6, r"6 calibration example\(s\) in 8 folds leave a fold of 0.* \(auto_select.folds is auto: 8 parts up "
+              r"to 64 examples per task; auto_select.folds=4 halves them\)"),
 ])
-def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, message, toy_world, tmp_path):
+def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()
     with pytest.raises(ValueError, match=message):
-        make(tmp_path, upstream=spy, auto_select=auto_select).run(load_pool(toy_world))
+        make(tmp_path, upstream=spy, auto_select=auto_select, num_calibration_examples=n).run(load_pool(toy_world))
     assert not spy.ran
 
 
@@ -162,7 +165,7 @@ def _batches_of(dataset):
     return [torch.stack(rows[i:i + 4]) for i in range(0, len(rows), 4)]
 
 
-def _search(world, criterion, seed=0, **extra):
+def _search(world, criterion, seed=0, hparams=FeatCalHParams(), **extra):
     base, experts, merged, data = world
     datasets, batches_of = _datasets(world), _batches_of
     options = SelectionOptions.parse({"criterion": criterion, "seed": seed, "grid": SMALL_GRID, **extra})
@@ -171,9 +174,26 @@ def _search(world, criterion, seed=0, **extra):
         return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
 
     model = copy.deepcopy(merged)
-    report = auto_calibrate(make_engine, lambda o: family_for(base, o), options, FeatCalHParams(), model, base,
+    report = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hparams, model, base,
                             experts, datasets, batches_of, torch.device("cpu"))
     return model, report
+
+
+def test_folds_auto_are_eight_for_a_few_examples_per_task_and_four_for_many():
+    """The fit parts see (K - 1) / K of a task's examples; with few examples eight parts, above FEW_EXAMPLES four
+    (half the per-part sums' memory). The report gives the number used."""
+    from featcal_fusionbench.autoselect.options import FEW_EXAMPLES
+
+    auto = SelectionOptions()
+    assert auto.folds == "auto"
+    assert [auto.folds_for(n) for n in (8, FEW_EXAMPLES, FEW_EXAMPLES + 1, 256)] == [8, 8, 4, 4]
+    assert SelectionOptions(folds=5).folds_for(8) == SelectionOptions(folds=5).folds_for(256) == 5
+    world = tiny_world(batches=4)  # 16 examples per task
+    few = _search(world, "objective", hparams=FeatCalHParams(num_calibration_examples=16))[1]["auto_select"]
+    assert few["folds"] == 8 and few["folds_per_task"]["task0"] == [2] * 8
+    assert all(block["folds"] == 8 for block in few["blocks"])
+    many = _search(world, "objective")[1]["auto_select"]  # the method's 256 examples per task
+    assert many["folds"] == 4 and many["folds_per_task"]["task0"] == [4] * 4
 
 
 def _rows(world):
@@ -387,7 +407,7 @@ def test_the_selection_never_reads_a_label_and_reports_its_choice(toy_world, tmp
     make(tmp_path, auto_select={"criterion": criterion, "grid": grid}).run(pool)
     report = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
     sizes = report["folds_per_task"] if criterion == "objective" else report["split"]
-    assert report["criterion"] == criterion and sizes["toy_0"] == ([4, 4, 4, 4] if criterion == "objective"
+    assert report["criterion"] == criterion and sizes["toy_0"] == ([2] * 8 if criterion == "objective"
                                                                    else {"fit": 12, "heldout": 4})
     assert report["grid"]["lambda_"] == [0.01, 1.0] and report["choice"]
 
@@ -417,7 +437,7 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
         runs = [compose("fabric_model_fusion", overrides=["method=featcal", f"method.lambda_={v}"]).method for v in values]
     GlobalHydra.instance().clear()
     options = SelectionOptions.parse(OmegaConf.to_container(auto.auto_select))
-    assert options.criterion == "objective" and options.folds == 4 and options.noise_z == 2.0 and options.widen
+    assert options.criterion == "objective" and options.folds == "auto" and options.noise_z == 2.0 and options.widen
     # the T5 one: the paper's FLAN-T5 configuration as its starting point, the same options
     assert SelectionOptions.parse(OmegaConf.to_container(t5.auto_select)) == options
     assert {k: v for k, v in t5.items() if k != "auto_select"} == {k: v for k, v in paper_t5.items() if k != "auto_select"}

@@ -117,8 +117,9 @@ def study(args) -> dict:
             entry["auto"] = {}
             for criterion in args.criteria:
                 print(f"n = {n}, seed {seed}: auto_select {criterion}", flush=True)
+                options = f"criterion:{criterion}" + ("" if args.folds is None else f",folds:{args.folds}")
                 report = run_fusion_bench(folder / f"auto_{criterion}",
-                                          [*base, f"method.auto_select={{criterion:{criterion}}}"], world=world)
+                                          [*base, f"method.auto_select={{{options}}}"], world=world)
                 calibration = featcal_report(folder / f"auto_{criterion}")
                 selection = calibration["auto_select"]
                 entry["auto"][criterion] = {
@@ -306,6 +307,9 @@ def main(argv=None) -> int:
     parser.add_argument("--n", default="32,256", help="calibration examples per task, comma-separated")
     parser.add_argument("--seeds", default="42", help="comma-separated")
     parser.add_argument("--criteria", default="objective", help="auto_select criteria, comma-separated")
+    parser.add_argument("--folds", type=int, default=None,
+                        help="objective's auto_select.folds (default: the method's, auto); the tables of before "
+                             "2026-11-29 were made with 4, then the default")
     parser.add_argument("--oracle", choices=sorted(ORACLE), default="full")
     parser.add_argument("--before", action="store_true", help="also the rule of before issue 61 (in process)")
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "autoselect")
@@ -317,9 +321,16 @@ def main(argv=None) -> int:
         args.seeds = [int(v) for v in args.seeds.split(",")]
     except ValueError as error:
         parser.error(f"--n and --seeds take comma-separated integers: {error}")
-    if min(args.n) < 4:
-        parser.error("--n: auto_select cross-fits over 4 folds of each task's examples; give at least 4")
-    from featcal_fusionbench.autoselect.options import CRITERIA
+    from featcal_fusionbench.autoselect.options import CRITERIA, SelectionOptions
+
+    try:
+        options = SelectionOptions(**({} if args.folds is None else {"folds": args.folds}))
+    except ValueError as error:
+        parser.error(f"--folds: {error}")
+    small = [n for n in args.n if n < options.folds_for(n)]
+    if small:
+        parser.error(f"--n: auto_select cross-fits over {options.folds_for(min(small))} folds of each task's examples "
+                     f"at n = {min(small)}; give at least that many")
 
     args.criteria = [c for c in args.criteria.split(",") if c]
     unknown = [c for c in args.criteria if c not in CRITERIA]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..core.hparams import FeatCalHParams
 
@@ -40,6 +40,11 @@ DEFAULT_GRID: Dict[str, Tuple[float, ...]] = {
     "alpha": (0.15, 0.3, 0.6),  # the paper's values: 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5); 0.25 (demo)
     PATCH_WEIGHT: (1.0, 0.01),  # the paper's uniform weights and the authors' demo
 }
+#: ``folds: auto``: eight parts up to this many calibration examples per task, four above it. A part's solve sees
+#: (K - 1) / K of the examples; with few examples the held-out part holds inputs its fit parts lack more often than the
+#: final solve's test inputs do, which pulls the choice toward more shrinkage (docs/featcal.md, "How many folds").
+#: Above it both give the same choices where measured, and eight would only double the per-part sums' memory.
+FEW_EXAMPLES = 64
 #: criterion objective's lambdas: five decades, widened a decade at a time past a winning edge (down to the moments'
 #: rounding, up to 1e4), so its reach is the whole range at the cost of the values that win or border a winner
 OBJECTIVE_LAMBDAS: Tuple[float, ...] = tuple(10.0**k for k in range(-6, -1))  # 1e-6 .. 1e-2
@@ -52,8 +57,8 @@ class SelectionOptions:
     ``grid`` entries replace the defaults key by key (a one-value list fixes that hyperparameter). ``search``:
     ``coordinate`` tries lambda, then rho x alpha at the chosen lambda (then the patch weight: ``drift`` /
     ``agreement``); ``grid`` tries every combination. Criterion ``objective``: ``folds`` parts of each task's
-    examples, each held out once; ``widen`` extends lambda past a grid edge that wins, down to the numerical floor
-    of the moments' dtype (up to 1e4); ``noise_z``: the method's own values are kept unless the best beats them
+    examples, each held out once (``auto``: 8 up to ``FEW_EXAMPLES`` examples per task, else 4); ``widen`` extends
+    lambda past a grid edge that wins, down to the numerical floor of the moments' dtype (up to 1e4); ``noise_z``: the method's own values are kept unless the best beats them
     by more than this many standard errors (of the per-fold differences; 0 takes the best); ``least_shrinkage``: the
     smallest lambda whose score is within ``noise_z`` standard errors of the best lambda's is taken. Criteria ``drift`` /
     ``agreement``: ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
@@ -61,7 +66,7 @@ class SelectionOptions:
     """
 
     criterion: str = "objective"
-    folds: int = 4
+    folds: Union[int, str] = "auto"
     noise_z: float = 2.0
     widen: bool = True
     least_shrinkage: bool = True
@@ -77,8 +82,8 @@ class SelectionOptions:
         f = self.heldout_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < 1.0:
             problems.append(f"heldout_fraction must lie strictly between 0 and 1, got {f!r}")
-        if isinstance(self.folds, bool) or not isinstance(self.folds, int) or self.folds < 2:
-            problems.append(f"folds must be an integer >= 2 (each part is held out once), got {self.folds!r}")
+        if self.folds != "auto" and (isinstance(self.folds, bool) or not isinstance(self.folds, int) or self.folds < 2):
+            problems.append(f"folds must be auto or an integer >= 2 (each part is held out once), got {self.folds!r}")
         z = self.noise_z
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
             problems.append(f"noise_z must be a number >= 0, got {z!r}")
@@ -122,6 +127,12 @@ class SelectionOptions:
             options["grid"] = {k: v if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") else list(v)
                                for k, v in options["grid"].items()}
         return cls(**options)
+
+    def folds_for(self, num_examples: int) -> int:
+        """The number of parts for ``num_examples`` calibration examples per task (``folds``, or ``auto``'s)."""
+        if self.folds != "auto":
+            return self.folds
+        return 8 if num_examples <= FEW_EXAMPLES else 4
 
     @property
     def higher_is_better(self) -> bool:

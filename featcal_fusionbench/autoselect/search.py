@@ -97,7 +97,8 @@ def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, m
     """Calibrate ``merged`` in place, each block's values chosen by cross-fitting over each task's ``parts``
     (``policy.CrossFitSelection``) and the block then solved with them on all of them; the engine's report and the
     search's."""
-    selection = CrossFitSelection(search_for(options, hp, grid), options.folds)
+    folds = len(next(iter(parts.values())))  # every task has the same number of parts
+    selection = CrossFitSelection(search_for(options, hp, grid), folds)
     batches = {t: [list(batches_of(p)) for p in ps] for t, ps in parts.items()}
     report = make_engine(hp, family, policy=selection).run(
         merged, base, experts, {t: [b for part in bs for b in part] for t, bs in batches.items()},
@@ -214,8 +215,9 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     family = family_with({})
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
+    folds = options.folds_for(hp.num_calibration_examples)
     if options.criterion == "objective":
-        parts, sizes = fold_datasets(datasets, options.folds, seed, shard)
+        parts, sizes = fold_datasets(datasets, folds, seed, shard)
         report, choice, search = calibrate_per_block(make_engine, family, hp, options, grid, merged, base, experts,
                                                      parts, batches_of)
     else:
@@ -238,7 +240,7 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     report["auto_select"] = {
         "criterion": options.criterion,
         "search": f"per_block ({options.search})" if objective else options.search,
-        **({"folds": options.folds, "noise_z": options.noise_z, "widen": options.widen,
+        **({"folds": folds, "noise_z": options.noise_z, "widen": options.widen,
             "least_shrinkage": options.least_shrinkage} if objective
            else {"heldout_fraction": options.heldout_fraction}),
         "seed": seed,
