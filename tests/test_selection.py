@@ -293,6 +293,27 @@ def test_least_shrinkage_takes_the_smallest_lambda_within_the_noise_of_the_held_
     assert _least_shrinkage(per_part, best, widened={"lambda_": [1e-7]}) == ({**best, "lambda_": 1e-7}, 1e-3)
 
 
+def test_the_methods_values_are_weighed_against_the_held_out_best_not_against_the_least_shrinkage_choice():
+    """As in block 0 of the quick CLIP world at n = 8, seed 44: lambda 1e-3 the held-out best, the method's 0.05
+    behind it by far more than two standard errors, 1e-6 behind it within its own (larger) noise and, in raw
+    total, behind the method's too. Least shrinkage takes 1e-6; the method's values, which the evidence rejects,
+    are not kept against it. Where the method's values are within the noise of the best, they are kept."""
+    from featcal_fusionbench.autoselect.policy import CrossFitChoice, CrossFitSelection, Search
+
+    key = lambda lam: f"lambda_={lam:g},rho=2,alpha=0.3"  # noqa: E731
+    per_part = {key(1e-3): [0.0, 0.0, 0.0, 0.0], key(0.05): [0.5, 0.6, 0.5, 0.6],  # +2.2, se 0.12
+                key(1e-6): [3.0, -2.0, 3.5, -1.5]}  # +3.0, se 5.8
+    search = Search((1e-6, 1e-3), (2.0,), (0.3,), noise_z=2.0)
+    choice = CrossFitChoice(CrossFitSelection(search, folds=4), FeatCalHParams(lambda_=0.05))
+    best = {"lambda_": 1e-3, "rho": 2.0, "alpha": 0.3}
+    relaxed, held_out_best = choice._least_shrinkage(per_part, best, search.lambdas, {})
+    assert (relaxed, held_out_best) == ({**best, "lambda_": 1e-6}, 1e-3)
+    reference = {**best, "lambda_": 0.05}
+    assert choice._keep_within_noise(per_part, relaxed, reference) == (relaxed, None)
+    per_part[key(0.05)] = [0.5, -0.5, 0.6, -0.4]  # +0.2, se 1.1: within the noise of the best
+    assert choice._keep_within_noise(per_part, relaxed, reference) == (reference, "method")
+
+
 def test_the_log_line_names_the_blocks_whose_lambda_is_the_least_shrinkage_within_the_noise():
     blocks = [{"block": 0, "chosen": "lambda_=1e-05,rho=2,alpha=0.3", "margin": 1.0, "margin_se": 3.0},
               {"block": 1, "chosen": "lambda_=1e-05,rho=2,alpha=0.3", "margin": -0.2, "margin_se": -0.5,

@@ -234,15 +234,22 @@ class CrossFitChoice:
         return best, None
 
     def _keep_within_noise(self, per_part, best: Candidate, reference: Candidate) -> Tuple[Candidate, Optional[str]]:
-        """The method's own values where the best does not beat them by more than ``noise_z`` standard errors; else
-        the best lambda at the method's rho and alpha, likewise; else the best."""
+        """The method's own values where the held-out best (of every candidate scored) does not beat them by more
+        than ``noise_z`` standard errors; else the best lambda at the method's rho and alpha where ``best`` does not
+        beat it so; else ``best``. The method's values are weighed against the evidence itself, not against
+        ``best``, which the least-shrinkage step may have moved off it within the noise: measured against that,
+        values the evidence rejects by many standard errors were kept (docs/featcal.md, "Do no harm")."""
         z = self.policy.search.noise_z
-        for kept, candidate in (("method", reference), ("method's rho and alpha", {**reference, "lambda_": best["lambda_"]})):
+        finite = [k for k, v in per_part.items() if math.isfinite(_total(v))]
+        top = min(finite, key=lambda k: _total(per_part[k])) if finite else candidate_key(best)
+        rivals = (("method", reference, top),
+                  ("method's rho and alpha", {**reference, "lambda_": best["lambda_"]}, candidate_key(best)))
+        for kept, candidate, against in rivals:
             key = candidate_key(candidate)
             if key == candidate_key(best):
                 return best, None
             if key in per_part:
-                margin, error = _difference(per_part[key], per_part[candidate_key(best)])
+                margin, error = _difference(per_part[key], per_part[against])
                 if math.isfinite(margin) and margin <= z * error:
                     return candidate, kept
         return best, None
