@@ -214,15 +214,17 @@ def with_included(board: Dict[str, Dict[str, dict]], earlier: Sequence[Mapping[s
     return {row: merged[row] for row in sorted(merged)}
 
 
-def best_cells(board: Mapping[str, Mapping[str, dict]]):
-    """(row -> its best column, the best (row, column) overall)."""
-    per_row = {row: max(cells, key=lambda c: cells[c]["average"]) for row, cells in board.items() if cells}
+def best_cells(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
+    """(row -> its best column, the best (row, column) overall), among the ``columns`` shown: a cell of a column
+    left out (``--columns``) is neither marked nor lets a shown one go unmarked."""
+    per_row = {row: max((c for c in cells if c in columns), key=lambda c: cells[c]["average"])
+               for row, cells in board.items() if any(c in columns for c in cells)}
     overall = max(((r, c) for r, c in per_row.items()), key=lambda rc: board[rc[0]][rc[1]]["average"], default=None)
     return per_row, overall
 
 
 def markdown(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]) -> str:
-    per_row, overall = best_cells(board)
+    per_row, overall = best_cells(board, columns)
     lines = ["| upstream merger | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for row, cells in board.items():
         shown = []
@@ -273,7 +275,7 @@ def figure(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
     fig.colorbar(image, ax=ax, label="average accuracy")
     ax.set_xticks(range(len(columns)), labels=columns, rotation=30, ha="right")
     ax.set_yticks(range(len(rows)), labels=rows)
-    per_row, overall = best_cells(board)
+    per_row, overall = best_cells(board, columns)
     for i, row in enumerate(rows):
         for j, column in enumerate(columns):
             value = values[i, j]
