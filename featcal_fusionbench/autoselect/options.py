@@ -58,10 +58,11 @@ class SelectionOptions:
     ``coordinate`` tries lambda, then rho x alpha at the chosen lambda (then the patch weight: ``drift`` /
     ``agreement``); ``grid`` tries every combination. Criterion ``objective``: ``folds`` parts of each task's
     examples, each held out once (``auto``: 8 up to ``FEW_EXAMPLES`` examples per task, else 4); ``widen`` extends
-    lambda past a grid edge that wins, down to the numerical floor of the moments' dtype (up to 1e4); ``noise_z``: the method's own values are kept unless the best beats them
-    by more than this many standard errors (of the per-fold differences; 0 takes the best); ``least_shrinkage``: the
-    smallest lambda whose score is within ``noise_z`` standard errors of the best lambda's is taken. Criteria ``drift`` /
-    ``agreement``: ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
+    lambda past a grid edge that wins, down to the numerical floor of the moments' dtype (up to 1e4); ``noise_z``:
+    the method's own values are kept unless the best beats them by more than this many standard errors (of the
+    per-fold differences; 0 takes the best); ``least_shrinkage``: the smallest lambda whose score is within
+    ``noise_z`` standard errors of the best lambda's is taken. Criteria ``drift`` / ``agreement``:
+    ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
     (null: the method's ``seed``).
     """
 

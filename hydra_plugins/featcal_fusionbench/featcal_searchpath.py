@@ -10,8 +10,9 @@ on the path at all; they are appended too, so `fabric_model_fusion` still resolv
 One folder goes ahead of FusionBench's instead: `featcal_fusionbench_config_fixes`, copies of
 FusionBench configs that name hub ids the hub has renamed, of its `path` config with a log
 folder of its own for each job of a multirun, and of its RegMean++ config naming a class that
-constructs (docs/compatibility.md, "FusionBench configs we override"). It holds nothing else, so that dropping it is all it takes once FusionBench releases
-the fixes. Importing this module registers the resolver that `path` config names.
+constructs (docs/compatibility.md, "FusionBench configs we override"). It holds nothing else,
+so that dropping it is all it takes once FusionBench releases the fixes. Importing this module
+registers the resolver that `path` config names.
 
 Last on the path: every FusionBench method config as an option of `method/upstream`, under its own name
 (`upstream_methods.py`), so `method/upstream=regmean_plusplus/clip_regmean_plusplus` chains FeatCal after it;
