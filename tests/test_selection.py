@@ -141,8 +141,7 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
 @pytest.mark.parametrize("auto_select, n, message", [
     ({"folds": 20}, 16, r"16 calibration example\(s\) in 20 folds leave a fold of 0"),
     ({"criterion": "drift", "heldout_fraction": 0.01}, 16, r"cannot be split into a fit and a held-out part .*0.01"),
-    (True, 6, r"6 calibration example\(s\) in 8 folds leave a fold of 0.* \(auto_select.folds is auto: 8 parts up "
-              r"to 64 examples per task; auto_select.folds=4 halves them\)"),
+    (True, 3, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # auto: four below eight examples
 ])
 def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()
@@ -186,8 +185,17 @@ def test_folds_auto_are_eight_for_a_few_examples_per_task_and_four_for_many():
 
     auto = SelectionOptions()
     assert auto.folds == "auto"
-    assert [auto.folds_for(n) for n in (8, FEW_EXAMPLES, FEW_EXAMPLES + 1, 256)] == [8, 8, 4, 4]
+    assert [auto.folds_for(n) for n in (4, 7, 8, FEW_EXAMPLES, FEW_EXAMPLES + 1, 256)] == [4, 4, 8, 8, 4, 4]
     assert SelectionOptions(folds=5).folds_for(8) == SelectionOptions(folds=5).folds_for(256) == 5
+    # every size four parts could share out still runs on one device; two devices need two examples a part
+    for n in (4, 7, 8, 64, 65):
+        auto.check_fold_sizes(n, 1, ["mnist"])
+    auto.check_fold_sizes(16, 2, ["mnist"])
+    SelectionOptions(folds=4).check_fold_sizes(12, 2, ["mnist"])
+    with pytest.raises(ValueError, match=r"'mnist': 12 calibration example\(s\) in 8 folds leave a fold of 1, fewer "
+                                         r"than one per device \(2\).*\(auto_select.folds is auto: 8 parts from 8 to "
+                                         r"64 examples per task; auto_select.folds=4 makes them twice the size\)"):
+        auto.check_fold_sizes(12, 2, ["mnist"])
     world = tiny_world(batches=4)  # 16 examples per task
     few = _search(world, "objective", hparams=FeatCalHParams(num_calibration_examples=16))[1]["auto_select"]
     assert few["folds"] == 8 and few["folds_per_task"]["task0"] == [2] * 8

@@ -62,7 +62,7 @@ def test_markdown_names_the_command_each_blocks_choice_and_whether_the_targets_h
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world", "clip-quick", "--n", "2"], "8 folds of each task's examples at n = 2; give at least that many"),
+    (["--world", "clip-quick", "--n", "2"], "4 folds of each task's examples at n = 2; give at least that many"),
     (["--world", "clip-quick", "--n", "6,128", "--folds", "7"], "7 folds of each task's examples at n = 6"),
     (["--world", "clip-quick", "--folds", "1"], "--folds: invalid method.auto_select: folds must be auto or"),
     (["--world", "clip-quick", "--criteria", "vibes"], "unknown"),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..core.hparams import FeatCalHParams
+from ..core.sampling import check_fold_sizes
 
 #: criterion -> whether a higher score is better
 CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True}
@@ -40,7 +41,8 @@ DEFAULT_GRID: Dict[str, Tuple[float, ...]] = {
     "alpha": (0.15, 0.3, 0.6),  # the paper's values: 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5); 0.25 (demo)
     PATCH_WEIGHT: (1.0, 0.01),  # the paper's uniform weights and the authors' demo
 }
-#: ``folds: auto``: eight parts up to this many calibration examples per task, four above it. A part's solve sees
+#: ``folds: auto``: eight parts from eight (one example each) up to this many calibration examples per task, four
+#: otherwise. A part's solve sees
 #: (K - 1) / K of the examples; with few examples the held-out part holds inputs its fit parts lack more often than the
 #: final solve's test inputs do, which pulls the choice toward more shrinkage (docs/featcal.md, "How many folds").
 #: Above it both give the same choices where measured, and eight would only double the per-part sums' memory.
@@ -57,7 +59,7 @@ class SelectionOptions:
     ``grid`` entries replace the defaults key by key (a one-value list fixes that hyperparameter). ``search``:
     ``coordinate`` tries lambda, then rho x alpha at the chosen lambda (then the patch weight: ``drift`` /
     ``agreement``); ``grid`` tries every combination. Criterion ``objective``: ``folds`` parts of each task's
-    examples, each held out once (``auto``: 8 up to ``FEW_EXAMPLES`` examples per task, else 4); ``widen`` extends
+    examples, each held out once (``auto``: 8 from 8 to ``FEW_EXAMPLES`` examples per task, else 4); ``widen`` extends
     lambda past a grid edge that wins, down to the numerical floor of the moments' dtype (up to 1e4); ``noise_z``:
     the method's own values are kept unless the best beats them by more than this many standard errors (of the
     per-fold differences; 0 takes the best); ``least_shrinkage``: the smallest lambda whose score is within
@@ -133,7 +135,19 @@ class SelectionOptions:
         """The number of parts for ``num_examples`` calibration examples per task (``folds``, or ``auto``'s)."""
         if self.folds != "auto":
             return self.folds
-        return 8 if num_examples <= FEW_EXAMPLES else 4
+        return 8 if 8 <= num_examples <= FEW_EXAMPLES else 4
+
+    def check_fold_sizes(self, num_examples: int, world_size: int, tasks: Sequence[str]) -> None:
+        """Fail before any model work when the parts cannot give every device an example of each; where ``auto``
+        chose eight, the error says so."""
+        folds = self.folds_for(num_examples)
+        try:
+            check_fold_sizes(num_examples, world_size, folds, tasks)
+        except ValueError as error:
+            if self.folds != "auto" or folds == 4:
+                raise
+            raise ValueError(f"{error} (auto_select.folds is auto: 8 parts from 8 to {FEW_EXAMPLES} examples per "
+                             f"task; auto_select.folds=4 makes them twice the size)") from None
 
     @property
     def higher_is_better(self) -> bool:

@@ -12,10 +12,10 @@ from typing import Any, Dict, Mapping, Optional, Union
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
-from ..autoselect.options import FEW_EXAMPLES, SelectionOptions
+from ..autoselect.options import SelectionOptions
 from ..autoselect.search import auto_calibrate
 from ..core.hparams import DEFAULTS, FeatCalHParams
-from ..core.sampling import check_fold_sizes, check_split_sizes
+from ..core.sampling import check_split_sizes
 from ..engine.loop import FeatCalEngine
 from ..engine.plan import plan_blocks
 from ..engine.streams import StreamOptions
@@ -175,14 +175,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 )
             options = self.selection_options
             if options.criterion == "objective":
-                try:
-                    check_fold_sizes(hp.num_calibration_examples, world_size,
-                                     options.folds_for(hp.num_calibration_examples), tasks)
-                except ValueError as error:
-                    if options.folds != "auto":
-                        raise
-                    raise ValueError(f"{error} (auto_select.folds is auto: {options.folds_for(1)} parts up to "
-                                     f"{FEW_EXAMPLES} examples per task; auto_select.folds=4 halves them)") from None
+                options.check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
             else:
                 check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output
