@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     swap.add_argument("--blocks", required=True, help="comma-separated block indices")
     swap.add_argument("--candidates", required=True, help="semicolon-separated candidate keys, e.g. lambda_=1e-06,rho=2,alpha=0.6")
     args = parser.parse_args(argv)
+    command = "python experiments/scripts/autoselect_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     runs = (args.runs or REPO / "outputs" / "autoselect" / args.world).resolve()
     lab = lab_for(args.world, args.n, args.seed, runs)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
             policy = VariantSelection(candidates, **kwargs)
         started = time.perf_counter()
         result = lab.score(args.n, args.seed, policy=policy)
-        out = {"command": "python experiments/scripts/autoselect_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        out = {"command": command,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "name": args.name, "world": args.world, "n": args.n, "seed": args.seed, "average": result["average"],
                "scores": result["scores"], "choices": [e["chosen"] for e in policy.log], "log": policy.log,
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         options = OmegaConf.to_container(OmegaConf.create(args.auto))
         result = lab.score(args.n, args.seed, auto_select=options)
         auto = result["report"]["auto_select"]
-        out = {"command": "python experiments/scripts/autoselect_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        out = {"command": command,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "world": args.world, "n": args.n, "seed": args.seed, "auto_select": options,
                "average": result["average"], "scores": result["scores"], "choice": auto["choice"],
