@@ -317,9 +317,10 @@ def test_the_methods_values_are_weighed_against_the_held_out_best_not_against_th
     relaxed, held_out_best = choice._least_shrinkage(per_part, best, search.lambdas, {})
     assert (relaxed, held_out_best) == ({**best, "lambda_": 1e-6}, 1e-3)
     reference = {**best, "lambda_": 0.05}
-    assert choice._keep_within_noise(per_part, relaxed, reference) == (relaxed, None)
+    totals = lambda: {k: sum(v) for k, v in per_part.items()}  # noqa: E731
+    assert choice._keep_within_noise(per_part, totals(), relaxed, reference) == (relaxed, None)
     per_part[key(0.05)] = [0.5, -0.5, 0.6, -0.4]  # +0.2, se 1.1: within the noise of the best
-    assert choice._keep_within_noise(per_part, relaxed, reference) == (reference, "method")
+    assert choice._keep_within_noise(per_part, totals(), relaxed, reference) == (reference, "method")
 
 
 def test_the_log_line_names_the_blocks_whose_lambda_is_the_least_shrinkage_within_the_noise():

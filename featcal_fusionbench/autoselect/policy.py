@@ -191,8 +191,9 @@ class CrossFitChoice:
             stage = [{**best, "rho": rho, "alpha": alpha} for rho in search.rhos for alpha in search.alphas]
             self._score(step, stage, per_part)
             best = _best([best, *stage], total)
-        chosen, kept = self._keep_within_noise(per_part, best, reference)
-        self.report = {"selection": self._summary(per_part, chosen, kept, widened, search, step)}
+        totals = {k: _total(v) for k, v in per_part.items()}
+        chosen, kept = self._keep_within_noise(per_part, totals, best, reference)
+        self.report = {"selection": self._summary(per_part, totals, chosen, kept, widened, search, step)}
         if relaxed is not None and not kept:
             self.report["selection"]["held_out_best_lambda"] = relaxed
         self.parts = self.heldout = None
@@ -233,15 +234,16 @@ class CrossFitChoice:
                     return {**best, "lambda_": lam}, best["lambda_"]
         return best, None
 
-    def _keep_within_noise(self, per_part, best: Candidate, reference: Candidate) -> Tuple[Candidate, Optional[str]]:
+    def _keep_within_noise(self, per_part, totals: Dict[str, float], best: Candidate,
+                           reference: Candidate) -> Tuple[Candidate, Optional[str]]:
         """The method's own values where the held-out best (of every candidate scored) does not beat them by more
         than ``noise_z`` standard errors; else the best lambda at the method's rho and alpha where ``best`` does not
         beat it so; else ``best``. The method's values are weighed against the evidence itself, not against
         ``best``, which the least-shrinkage step may have moved off it within the noise: measured against that,
         values the evidence rejects by many standard errors were kept (docs/featcal.md, "Do no harm")."""
         z = self.policy.search.noise_z
-        finite = [k for k, v in per_part.items() if math.isfinite(_total(v))]
-        top = min(finite, key=lambda k: _total(per_part[k])) if finite else candidate_key(best)
+        finite = [k for k, v in totals.items() if math.isfinite(v)]
+        top = min(finite, key=totals.get) if finite else candidate_key(best)
         rivals = (("method", reference, top),
                   ("method's rho and alpha", {**reference, "lambda_": best["lambda_"]}, candidate_key(best)))
         for kept, candidate, against in rivals:
@@ -254,9 +256,9 @@ class CrossFitChoice:
                     return candidate, kept
         return best, None
 
-    def _summary(self, per_part, chosen, kept, widened, search: Search, step) -> Dict[str, Any]:
+    def _summary(self, per_part, totals: Dict[str, float], chosen, kept, widened, search: Search,
+                 step) -> Dict[str, Any]:
         key = candidate_key(chosen)
-        totals = {k: _total(v) for k, v in per_part.items()}
         others = [k for k in totals if k != key and math.isfinite(totals[k])]
         runner = min(others, key=totals.get) if others else None
         gain = _total(self._uncalibrated(step)) - totals[key]

@@ -219,7 +219,7 @@ def best_cells(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
     left out (``--columns``) is neither marked nor lets a shown one go unmarked."""
     per_row = {row: max((c for c in cells if c in columns), key=lambda c: cells[c]["average"])
                for row, cells in board.items() if any(c in columns for c in cells)}
-    overall = max(((r, c) for r, c in per_row.items()), key=lambda rc: board[rc[0]][rc[1]]["average"], default=None)
+    overall = max(per_row.items(), key=lambda rc: board[rc[0]][rc[1]]["average"], default=None)
     return per_row, overall
 
 
