@@ -98,8 +98,9 @@ def test_probsurgery_evaluation_is_deterministic(toy_world):
     }
 
 
-@pytest.mark.parametrize("split, precompute", [("test", False), ("train", True)])
-def test_split_and_feature_mode_are_reported(toy_world, tmp_path, split, precompute):
+@pytest.mark.parametrize("split, precompute, mode", [("test", False, "streamed"), ("train", True, "precomputed"),
+                                                     ("train", "replay", "replayed")])
+def test_split_and_feature_mode_are_reported(toy_world, tmp_path, split, precompute, mode):
     algo = make(SurgeryAlgorithm, calibration_split=split, precompute_features=precompute)
     algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1, loggers=[L.fabric.loggers.CSVLogger(str(tmp_path))])
     algo.run(load_pool(toy_world))
@@ -107,8 +108,24 @@ def test_split_and_feature_mode_are_reported(toy_world, tmp_path, split, precomp
 
     report = json.loads(next(tmp_path.rglob("surgery_report.json")).read_text())
     assert report["calibration_split"] == split
-    assert report["features"] == ("precomputed" if precompute else "streamed")
+    assert report["features"] == mode
     assert report["upstream"] == "method:fusion_bench.method.TaskArithmeticAlgorithm"
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_replayed_features_train_the_maps_that_streamed_ones_train(cls, toy_world):
+    """precompute_features=replay serves features computed once in the streamed run's own batches: 12 examples in
+    batches of 8 (the last 4 dropped, a fresh shuffle each epoch) over 6 steps train the same maps, to float
+    rounding; resampled precomputed features (true) draw other batches and do not."""
+    def trained(mode):
+        weights = make(cls, num_calibration_examples=12, max_steps=6, precompute_features=mode).run(
+            load_pool(toy_world)).state_dict()
+        return {k: v for k, v in weights.items() if not k.startswith("model.")}
+
+    streamed, replayed, resampled = trained(False), trained("replay"), trained(True)
+    assert streamed and streamed.keys() == replayed.keys() == resampled.keys()
+    distance = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    assert distance(streamed, replayed) < 1e-6 < 1e-4 < distance(streamed, resampled)
 
 
 @pytest.mark.parametrize("cls", METHODS)
@@ -119,6 +136,7 @@ def test_split_and_feature_mode_are_reported(toy_world, tmp_path, split, precomp
         ({"max_steps": -1}, "max_steps must be an integer >= 0"),
         ({"lr": 0.0}, "lr must be > 0"),
         ({"calibration_split": "val"}, "calibration_split must be one of"),
+        ({"precompute_features": "replayed"}, "precompute_features must be false, true or replay, got 'replayed'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(cls, kwargs, message):

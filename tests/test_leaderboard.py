@@ -136,6 +136,27 @@ def test_columns_left_out_are_neither_shown_nor_marked_best():
     assert [(p.get_x(), p.get_y()) for p in ax.patches] == [(0.5, -0.5), (-0.5, 0.5)]
 
 
+def test_replayed_baseline_features_change_only_the_baselines_cells(tmp_path, fake, capsys):
+    """--baseline-features replay: Surgery's and ProbSurgery's cells run with precompute_features=replay (their
+    command changes, so a board made streamed makes those cells again, and only those)."""
+    rows = leaderboard.parse_rows("task_arithmetic")
+    cells = {c.column: c for c in leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS, POOL, tmp_path,
+                                                   "replay")}
+    streamed = {c.column: c for c in leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS, POOL,
+                                                      tmp_path)}
+    for column in leaderboard.COLUMNS:
+        replay = ["method.precompute_features=replay"] if column in ("surgery", "probsurgery") else []
+        assert cells[column].args == [*streamed[column].args[:-len(POOL)], *replay, *POOL], column
+    board = tmp_path / "board"
+    argv = ["leaderboard", "run", str(board), "--rows", "task_arithmetic", "--columns", "upstream,surgery,probsurgery,featcal"]
+    assert report_main([*argv, "--", *POOL]) == 0
+    fake.unlink()
+    assert report_main([*argv, "--baseline-features", "replay", "--", *POOL]) == 0
+    assert sorted(made(fake)) == ["task_arithmetic/probsurgery", "task_arithmetic/surgery"]
+    with pytest.raises(ValueError, match="baseline features 'cached'"):
+        leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS, POOL, tmp_path, "cached")
+
+
 def test_bad_leaderboard_arguments_are_refused_before_any_cell_runs(tmp_path, fake, capsys):
     assert report_main(["leaderboard", "run", str(tmp_path / "b"), "--columns", "upstream,nope", "--", *POOL]) == 1
     assert report_main(["leaderboard", "run", str(tmp_path / "b"), "--columns", "upstream"]) == 1

@@ -54,6 +54,28 @@ def test_surgery_baselines_for_flan_t5_run_offline(tiny_t5_pool, tmp_path, metho
     assert report[f"{method}_calibration"]["calibration_split"] == "train"
 
 
+def test_replayed_features_are_refused_where_the_rows_are_tokens(tiny_t5_pool):
+    """T5's rows are target tokens, not examples: refused when the feature site is known, before any expert loads."""
+    from pathlib import Path
+
+    import lightning as L
+    from fusion_bench.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from featcal_fusionbench import SurgeryAlgorithm
+
+    pool = instantiate(OmegaConf.load(Path(tiny_t5_pool["config_dir"], "modelpool", "Seq2SeqLMPool", "tiny_t5.yaml")))
+    algo = SurgeryAlgorithm(upstream={"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3},
+                            num_calibration_examples=8, precompute_features="replay")
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+    loaded = []
+    pool.load_model = lambda name, *a, **k: loaded.append(name) or type(pool).load_model(pool, name, *a, **k)
+    with pytest.raises(ValueError, match="replay serves one feature row per example, and the t5 family's site has one "
+                                         "per token: use true or false"):
+        algo.run(pool)
+    assert not [name for name in loaded if name != "_pretrained_"]  # no expert was loaded
+
+
 def test_lm_head_surgery_applies_only_the_active_tasks_map():
     model = tiny_t5()
     maps = SurgeryModelWrapper(model, ["a", "b"], projection_dim=model.config.d_model, hidden_dim=4)

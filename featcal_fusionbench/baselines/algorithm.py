@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +24,17 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..families import checked_options, family_for, to_device
+from ..families.base import batch_loader
 from ..integration.data import SPLITS, calibration_source, select_calibration_data
 from ..integration.hub_access import check_path_option
 from ..integration.post_merging import PostMergingMixin, peak_memory
 from .modules import ProbSurgeryModelWrapper, SurgeryModelWrapper, kl_to_standard_normal
 
 log = logging.getLogger(__name__)
+
+#: precompute_features' third value: the features computed once, then the streamed run's own batches replayed
+REPLAY = "replay"
+FEATURE_MODES = {False: "streamed", True: "precomputed", REPLAY: "replayed"}
 
 
 def _check_int(name, value, minimum):
@@ -53,7 +58,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         batch_size: int = 16,
         lr: float = 1e-3,
         seed: int = 42,
-        precompute_features: bool = False,
+        precompute_features: Union[bool, str] = False,
         eval_iterations: Optional[int] = None,
         return_upstream: bool = False,
         calibration_datasets: Optional[Mapping[str, Any]] = None,
@@ -73,6 +78,8 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if calibration_split not in SPLITS:
             raise ValueError(f"calibration_split must be one of {SPLITS}, got {calibration_split!r}")
+        if not (isinstance(precompute_features, bool) or precompute_features == REPLAY):
+            raise ValueError(f"precompute_features must be false, true or {REPLAY}, got {precompute_features!r}")
 
     # ---- what differs between the methods ------------------------------------------------------
 
@@ -88,7 +95,8 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
         """(merged feature, expert feature) batches: streamed through both models every step (the
         originals' way; seeded shuffled batches of the capped calibration set, recycled), or with
         ``precompute_features`` computed once in one ordered pass and resampled (rows: images, or
-        target tokens for T5)."""
+        target tokens for T5), or (``replay``) computed once and served in the streamed run's batches, its
+        order and composition, so that the maps train as streamed ones do, to float rounding."""
         device = self.fabric.device
         seed = self.seed + task_index
 
@@ -97,12 +105,27 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             with torch.no_grad():
                 return site.features(merged, inputs), site.features(expert, inputs)
 
-        batches = family.batches(modelpool, dataset, self.batch_size, shuffle=not self.precompute_features, seed=seed)
+        def ordered_pass():
+            return [pair(x) for x in family.batches(modelpool, dataset, self.batch_size, shuffle=False, seed=seed)]
+
         if not self.precompute_features:
-            return (pair(x) for x in batches)
-        pairs = [pair(x) for x in batches]
+            return (pair(x) for x in family.batches(modelpool, dataset, self.batch_size, shuffle=True, seed=seed))
+        if self.precompute_features == REPLAY:
+            # The ordered loader draws its base seed from the global generator, which streaming leaves to
+            # ProbSurgery's noise: restored, so that the noise is the streamed run's too.
+            with torch.random.fork_rng(devices=[]):
+                pairs = ordered_pass()
+        else:
+            pairs = ordered_pass()
         merged_f = torch.cat([p[0] for p in pairs])
         expert_f = torch.cat([p[1] for p in pairs])
+        if self.precompute_features == REPLAY:
+            if len(merged_f) != len(dataset):
+                raise RuntimeError(f"{len(merged_f)} feature rows for {len(dataset)} examples: replay needs one per example")
+            # The streamed loader's shuffling reads the generator by the dataset's length alone, so a loader of the
+            # row indices draws the same batches, epoch after epoch.
+            order = batch_loader(range(len(dataset)), self.batch_size, shuffle=True, seed=seed)
+            return ((merged_f[idx.to(device)], expert_f[idx.to(device)]) for idx in order)
         generator = torch.Generator().manual_seed(seed)
         size = min(self.batch_size, len(merged_f))
 
@@ -160,6 +183,9 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             family = family_for(base, dict(self.family_options or {}))
             family.check_models(modelpool, base)
             site = family.feature_site(modelpool, base)  # a pool that cannot give it fails before the experts
+            if self.precompute_features == REPLAY and not site.one_row_per_example:
+                raise ValueError(f"precompute_features={REPLAY} serves one feature row per example, and the "
+                                 f"{family.name} family's site has one per token: use true or false")
             experts = self.load_experts(modelpool, tasks, base)
         with self.profile("upstream merge"):
             merged, source = self.load_merged(modelpool, base, experts)
@@ -189,7 +215,7 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             "calibration_data": {
                 t: calibration_source(t, self.calibration_split, self.calibration_datasets) for t in tasks
             },
-            "features": "precomputed" if self.precompute_features else "streamed",
+            "features": FEATURE_MODES[self.precompute_features],
             "num_calibration_examples": self.num_calibration_examples,
             "max_steps": self.max_steps,
             "seconds": seconds,

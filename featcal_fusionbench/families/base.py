@@ -64,6 +64,7 @@ class FeatureSite(ABC):
     """Where Surgery's and ProbSurgery's per-task maps act: rows of a (N, dim) feature matrix."""
 
     dim: int
+    one_row_per_example: bool = True  # False where the rows are tokens (T5's targets, a causal LM's counted tokens)
 
     def to(self, device) -> "FeatureSite":
         return self

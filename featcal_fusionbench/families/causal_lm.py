@@ -124,6 +124,8 @@ def attention_kind(layer: nn.Module) -> str:
 class CausalLMFeatureSite(FeatureSite):
     """The hidden state entering ``lm_head`` (after the final norm) at every counted token."""
 
+    one_row_per_example = False
+
     def __init__(self, family: "CausalLMFamily", model: nn.Module):
         if isinstance(model, BARE_CLASSES):
             raise TypeError(

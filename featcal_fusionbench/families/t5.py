@@ -69,6 +69,8 @@ def _relative_bias(stack: nn.Module, query_length: int, key_length: int) -> Tens
 class T5DecoderFeatureSite(FeatureSite):
     """The decoder's final hidden state at every target token (teacher forcing on the labels)."""
 
+    one_row_per_example = False
+
     def __init__(self, model: T5ForConditionalGeneration):
         self.dim = model.config.d_model
 

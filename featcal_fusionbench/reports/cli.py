@@ -5,7 +5,8 @@
     featcal-report compare RUN...     the runs' models side by side (a run: its folder or its program_report.json);
                                       writes compare_drift.png (--out, default: the runs' common folder)
     featcal-report drift RUN          draws RUN/featcal_drift.png from its featcal_report.json
-    featcal-report leaderboard run DIR [--rows ...] [--columns ...] [--method COLUMN=CONFIG] -- POOL ARGS
+    featcal-report leaderboard run DIR [--rows ...] [--columns ...] [--method COLUMN=CONFIG]
+                                   [--baseline-features streamed|replay] -- POOL ARGS
                                       upstream mergers x post-merging methods on one pool, a fusion_bench run per
                                       cell (missing cells only); writes DIR/leaderboard.md, .csv and .png
     featcal-report leaderboard show DIR [--include CSV]
@@ -47,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     board.add_argument("--columns", default=",".join(leaderboard.COLUMNS), help="default: every column")
     board.add_argument("--method", action="append", default=[], metavar="COLUMN=CONFIG",
                        help="a post-merging column's method config (default: the CLIP ones, e.g. featcal=featcal/clip_ta)")
+    board.add_argument("--baseline-features", choices=sorted(leaderboard.BASELINE_FEATURES), default="streamed",
+                       help="Surgery's and ProbSurgery's features: streamed through both models every step (their "
+                       "default), or replay: computed once and served in the streamed run's batches (the same maps to "
+                       "float rounding, a fraction of the time; one feature row per example: CLIP and OpenCLIP)")
     board.add_argument("--include", action="append", default=[], type=Path, metavar="CSV",
                        help="an earlier board's leaderboard.csv: its cells are shown where DIR has none (repeatable)")
     return parser
@@ -67,7 +72,8 @@ def _leaderboard(args) -> int:
         pool_args = args.pool_args
         if not any(a.startswith("modelpool=") for a in pool_args):
             raise ValueError("give the pool after --: modelpool=... taskpool=... (any fusion_bench arguments)")
-        cells = leaderboard.plan(leaderboard.parse_rows(args.rows), columns, methods, pool_args, args.folder)
+        cells = leaderboard.plan(leaderboard.parse_rows(args.rows), columns, methods, pool_args, args.folder,
+                                 args.baseline_features)
         counts = leaderboard.run_cells(cells, args.folder, leaderboard.fusion_bench_executable())
         print(", ".join(f"{v} {k}" for k, v in counts.items()) + " cell(s)")
         failed = counts["failed"]

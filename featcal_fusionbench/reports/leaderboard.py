@@ -67,9 +67,16 @@ class Cell:
     unavailable: Optional[str] = None  # why the cell is n/a
 
 
+#: --baseline-features: Surgery's and ProbSurgery's feature mode on the board (their option precompute_features)
+BASELINE_FEATURES = {"streamed": [], "replay": ["method.precompute_features=replay"]}
+BASELINES = ("surgery", "probsurgery")
+
+
 def plan(rows: Mapping[str, str], columns: Sequence[str], methods: Mapping[str, str], pool_args: Sequence[str],
-         folder: Path) -> List[Cell]:
+         folder: Path, baseline_features: str = "streamed") -> List[Cell]:
     """Every cell's command, before anything runs; a bad row or column is refused here."""
+    if baseline_features not in BASELINE_FEATURES:
+        raise ValueError(f"baseline features {baseline_features!r}: one of {list(BASELINE_FEATURES)}")
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown or not columns:
         raise ValueError(f"unknown column(s) {unknown}; the columns are {list(COLUMNS)}")
@@ -98,6 +105,8 @@ def plan(rows: Mapping[str, str], columns: Sequence[str], methods: Mapping[str, 
                     cell.unavailable = "FusionBench has no SVC config over this merger"
                 else:
                     cell.args = [f"method={methods[column]}", f"method.merged_model_path={merged[cell.source]}"]
+                    if column in BASELINES:
+                        cell.args += BASELINE_FEATURES[baseline_features]
             if cell.source is not None and cell.source not in columns and cell.unavailable is None:
                 raise ValueError(f"column {column!r} starts from the {cell.source!r} cell's model: add that column")
             cell.args += list(pool_args)
