@@ -46,3 +46,7 @@ def test_the_dry_run_runs_every_step_at_tiny_shapes_and_writes_its_summaries(tmp
     assert {p.name for p in out.iterdir()} >= {"gpu_check.json", "gpu_check.md", "clip_tiny.json", "llm_tiny.json",
                                            "llm70b_tiny.json"}
     assert not (out / "work").exists()  # the benches' checkpoints are removed
+    # the 70B step's dry run passes the GPU run's own options (its shape aside), so a bad one fails here first
+    llm70b = json.loads((out / "llm70b_tiny.json").read_text())
+    assert (llm70b["dtype"], llm70b["storage_dtype"], llm70b["accumulation_dtype"]) == ("bfloat16", "bfloat16", "float32")
+    assert "--profile" in llm70b["command"].split() and llm70b["results"][0]["phase_seconds"]
