@@ -220,9 +220,23 @@ def test_a_merged_encoder_saved_by_the_pool_is_read_back_by_merged_model_path(cl
 
 
 def run_baseline(cls, tiny_pool, **kwargs):
-    algo = cls(upstream=TA, num_calibration_examples=8, batch_size=4, **kwargs)
+    kwargs.setdefault("batch_size", 4)
+    algo = cls(upstream=TA, num_calibration_examples=8, **kwargs)
     algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
     return algo, algo.run(load(tiny_pool["modelpool"]))
+
+
+def test_replayed_features_train_the_maps_that_streamed_ones_train(tiny_pool):
+    """precompute_features=replay on the encoders' output (one row per image): 8 images in batches of 3 (two a
+    step, the last two dropped, reshuffled each epoch) over 5 steps, the same maps as streamed, to float rounding."""
+    def maps(mode):
+        _, model = run_baseline(ProbSurgeryAlgorithm, tiny_pool, max_steps=5, batch_size=3, precompute_features=mode)
+        return {k: v for k, v in model.state_dict().items() if ".heads." in f".{k}" or k.startswith("heads.")}
+
+    streamed, replayed = maps(False), maps("replay")
+    assert streamed and streamed.keys() == replayed.keys()
+    for key, value in streamed.items():
+        torch.testing.assert_close(replayed[key], value, rtol=0, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("cls", [SurgeryAlgorithm, ProbSurgeryAlgorithm], ids=lambda c: c.__name__)
