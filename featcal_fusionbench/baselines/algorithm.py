@@ -114,18 +114,14 @@ class FeatureSurgeryAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProf
             # The ordered loader draws its base seed from the global generator, which streaming leaves to
             # ProbSurgery's noise: restored, so that the noise is the streamed run's too.
             with torch.random.fork_rng(devices=[]):
-                pairs = ordered_pass()
-        else:
-            pairs = ordered_pass()
-        merged_f = torch.cat([p[0] for p in pairs])
-        expert_f = torch.cat([p[1] for p in pairs])
-        if self.precompute_features == REPLAY:
+                merged_f, expert_f = (torch.cat(f) for f in zip(*ordered_pass()))
             if len(merged_f) != len(dataset):
                 raise RuntimeError(f"{len(merged_f)} feature rows for {len(dataset)} examples: replay needs one per example")
             # The streamed loader's shuffling reads the generator by the dataset's length alone, so a loader of the
             # row indices draws the same batches, epoch after epoch.
             order = batch_loader(range(len(dataset)), self.batch_size, shuffle=True, seed=seed)
             return ((merged_f[idx.to(device)], expert_f[idx.to(device)]) for idx in order)
+        merged_f, expert_f = (torch.cat(f) for f in zip(*ordered_pass()))
         generator = torch.Generator().manual_seed(seed)
         size = min(self.batch_size, len(merged_f))
 
