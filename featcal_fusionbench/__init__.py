@@ -6,7 +6,8 @@ The package is nine layers, lowest first; a module imports only its own layer an
 - ``core``: pure tensor math (moments, a block's sums over tasks, the closed-form solver, the held-out objective,
   meters, the seeded sampling of examples) and the method's hyperparameters;
 - ``reports``: what runs left on disk read back and drawn (a sweep's table and picture, a run's drift picture, runs
-  side by side: ``featcal-report``), knowing no model;
+  side by side: ``featcal-report``), and the leaderboard's cells run, each a ``fusion_bench`` process forked from
+  one that imported it once; knowing no model;
 - ``models``: where weights live (lazy checkpoints, a block on the device while in use, model checks, the task
   switch that Surgery's maps and the task pools share);
 - ``evaluation``: FusionBench task pools and their scorers (lm-eval tasks, the code sandbox), knowing no method;

@@ -17,15 +17,14 @@ import sys
 import threading
 from functools import partial
 
+from featcal_fusionbench.reports.processes import PRELOAD  # imported too: what nearly every command imports
+
 #: console script -> (module, function), as the installed scripts in the interpreter's bin folder call them
 ENTRY_POINTS = {
     "fusion_bench": ("fusion_bench.scripts.cli", "_hydra_main"),
     "featcal-report": ("featcal_fusionbench.reports.cli", "main"),
 }
 
-#: imported too, beyond the scripts' own modules: what nearly every command imports once it has its configuration
-PRELOAD = ("fusion_bench.programs.fabric_fusion_program", "featcal_fusionbench.integration.algorithm",
-           "featcal_fusionbench.baselines.algorithm", "datasets", "fusion_bench.taskpool.clip_vision.taskpool")
 
 
 def run_path(path: str) -> int:

@@ -13,24 +13,9 @@ sys.path.insert(0, NO_EXPERIMENTS)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [NO_EXPERIMENTS, os.environ.get("PYTHONPATH")]))
 
 import commands  # noqa: E402
+from scheduling import pytest_collection_modifyitems, pytest_configure  # noqa: E402,F401  (hooks)
 
 commands.share_the_cores()
-
-
-def pytest_configure(config):
-    # pytest-xdist's --dist load queues tests on a worker in chunks: with the slow tests first (below), a chunk of
-    # them could keep one worker busy for minutes while the other had run out (402 s against 288 s with one test at
-    # a time, 2026-11-27). Where a marker expression names them (-m "not slow"), the chunks stay: one at a time
-    # costs about 12 ms a test (the fast subset 82 s against 74 s).
-    if getattr(config.option, "maxschedchunk", 0) is None and "slow" not in (config.getoption("markexpr", "") or ""):
-        config.option.maxschedchunk = 1
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first, each group in its files' order, handed out one at a time: the last tests decide when the
-    suite ends, and in files' order a worker that drew a 15-30 s command last kept the other idle for 36 s of 300;
-    slow first, both workers finished within a second of each other."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

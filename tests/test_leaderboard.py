@@ -194,3 +194,32 @@ def test_an_earlier_boards_csv_fills_the_cells_this_folder_lacks_and_its_own_cel
     err = capsys.readouterr().err
     assert "nope.csv" in err and "not a leaderboard CSV" in err
     assert made(fake) == calls and not (tmp_path / "third").exists()
+
+
+@pytest.mark.slow
+def test_a_board_forks_its_cells_from_one_import_and_each_is_the_run_fusion_bench_makes(tmp_path, toy_world):
+    """The real fusion_bench: the board imports it once and forks each cell (featcal_fusionbench/processes.py); the
+    calibrated cell scores what the same command scores as a process of its own."""
+    import shlex
+
+    import commands
+
+    method = tmp_path / "config" / "method" / "featcal" / "toy_ta.yaml"  # the paper's config, the toy's 64 examples
+    method.parent.mkdir(parents=True)
+    method.write_text("defaults:\n  - /method/featcal/clip_ta@_here_\n  - _self_\nnum_calibration_examples: 16\n")
+    pool = [f"hydra.searchpath=[file://{toy_world['config_dir']},file://{tmp_path / 'config'}]",
+            "modelpool=CLIPVisionModelPool/toy", "taskpool=CLIPVisionModelTaskPool/toy"]
+    board = tmp_path / "board"
+    done = commands.run("featcal-report", "leaderboard", "run", str(board), "--rows", "task_arithmetic",
+                        "--columns", "upstream,featcal", "--method", "featcal=featcal/toy_ta", "--", *pool,
+                        cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "imported FusionBench once" in done.stdout and "2 made" in done.stdout
+    cell = board / "task_arithmetic" / "featcal"
+    cost = json.loads((cell / "cost.json").read_text())
+    assert cost["forked"] is True and cost["seconds"] > 0 and cost["peak_rss_bytes"] > 0
+    direct = commands.run("fusion_bench", *shlex.split((cell / "command.txt").read_text()),
+                          f"path.log_dir={tmp_path / 'direct'}", cwd=tmp_path)
+    assert direct.returncode == 0, direct.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in (cell / "program_report.json", tmp_path / "direct" / "program_report.json")]
+    assert reports[0] == reports[1] and reports[0]["average"]["accuracy"] > 0

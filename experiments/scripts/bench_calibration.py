@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import date
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from featcal_experiments.python_processes import run_python
 from featcal_fusionbench.integration.memory import peak_rss_bytes
 from featcal_fusionbench.integration.reporting import machine_line
 
@@ -246,10 +246,10 @@ def worker(args) -> dict:
 
 
 def in_subprocess(script: str, worker_key: str) -> dict:
-    """Run ``script`` again with ``--worker worker_key`` (a fresh process: its own peak RSS and device memory)
-    and return the result it prints; exit with its stderr if it fails."""
-    command = [sys.executable, script, *sys.argv[1:], "--worker", worker_key]
-    out = subprocess.run(command, capture_output=True, text=True)
+    """Run ``script`` again with ``--worker worker_key`` (a fresh process: its own peak RSS and device memory;
+    forked under the tests, featcal_experiments/python_processes.py) and return the result it prints; exit with its
+    stderr if it fails."""
+    out = run_python([script, *sys.argv[1:], "--worker", worker_key])
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
         sys.exit(f"{worker_key} failed:\n{out.stderr[-4000:]}")

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from featcal_experiments.python_processes import run_python
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
 
@@ -58,13 +60,12 @@ def run_step(name: str, command, out: Path, limit: int) -> dict:
     started = time.perf_counter()
     log = out / f"{name}.log"
     try:
-        done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=limit)
+        done = run_python(command, cwd=REPO, timeout=limit, merge_stderr=True)
         returncode, output = done.returncode, done.stdout
     except subprocess.TimeoutExpired as error:
         returncode, output = "timeout", (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or "")
     log.write_text(output)
-    return {"name": name, "command": " ".join(map(str, command)).replace(f"{REPO}/", ""), "returncode": returncode,
+    return {"name": name, "command": " ".join(["python", *map(str, command)]).replace(f"{REPO}/", ""), "returncode": returncode,
             "seconds": time.perf_counter() - started, "log": log.name, "tail": output[-1500:]}
 
 
@@ -127,7 +128,7 @@ def llm_step(name: str, bench_args, device: str, out: Path, json_path: Path) -> 
     """One out-of-core LLM bench as a step, its checkpoints removed after it (gigabytes at the 3B shape, 28 GiB at
     the 70B one)."""
     work = out / "work"
-    step = run_step(name, [sys.executable, str(SCRIPTS / "bench_llm_memory.py"), *bench_args, "--modes", "out_of_core",
+    step = run_step(name, [str(SCRIPTS / "bench_llm_memory.py"), *bench_args, "--modes", "out_of_core",
                            "--device", device, "--workdir", str(work), "--json", str(json_path)], out, LIMITS[name])
     step["figures"] = figures(step, json_path)
     shutil.rmtree(work, ignore_errors=True)
@@ -148,15 +149,14 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     clip_args, llm_args = SHAPES[args.device]
-    python = sys.executable
     started = time.perf_counter()
     steps = []
-    step = run_step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], out,
+    step = run_step("tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], out,
                     LIMITS["tests"])
     step["counts"] = test_counts(step["tail"])
     steps.append(step)
     clip_json = out / "clip_b32_ta8.json" if args.device == "cuda" else out / "clip_tiny.json"
-    step = run_step("clip", [python, str(SCRIPTS / "bench_calibration.py"), *clip_args, "--methods", "featcal",
+    step = run_step("clip", [str(SCRIPTS / "bench_calibration.py"), *clip_args, "--methods", "featcal",
                              "--device", args.device, "--json", str(clip_json)], out, LIMITS["clip"])
     step["figures"] = figures(step, clip_json)
     steps.append(step)

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,8 +8,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import commands  # noqa: E402
+from scheduling import pytest_collection_modifyitems, pytest_configure  # noqa: E402,F401  (hooks: the slow tests first)
 
 commands.share_the_cores()
+# The benchmarks' and the GPU check's steps forked from their script's process, not started afresh: each start imports
+# torch, transformers and Lightning again (featcal_experiments/python_processes.py). Set before any command server
+# starts, so that the scripts' commands still fork from it.
+os.environ.setdefault("FEATCAL_FORK_SCRIPTS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
