@@ -131,7 +131,7 @@ def run_cells(cells: Sequence[Cell], folder: Path, executable: str, log=print) -
     """Run each missing cell in its folder (in the plan's order: a row's upstream before the cells that start from
     it); a cell whose source failed is skipped. Returns counts of made, kept and failed cells. Where ``executable``
     is this interpreter's ``fusion_bench``, each cell's process is forked from this one, which imports FusionBench
-    once (``featcal_fusionbench.processes``: 8-13 s a cell on 2 cores otherwise); any other is started."""
+    once (``processes.py``: 8-13 s a cell on 2 cores otherwise); any other is started."""
     counts = {"made": 0, "kept": 0, "failed": 0, "unavailable": 0}
     failed = set()
     entry = None
@@ -158,7 +158,7 @@ def run_cells(cells: Sequence[Cell], folder: Path, executable: str, log=print) -
             log(f"imported FusionBench once, {time.perf_counter() - started:.0f} s: each cell is forked from here")
         forked = entry is not None and can_fork()
         started = time.perf_counter()
-        (here / "run.log").write_text("")
+        (here / "run.log").write_text("")  # run_forked appends
         if forked:
             returncode, usage = run_forked(entry, [executable, *args], here, here / "run.log", here / "run.log")
         else:
