@@ -26,7 +26,6 @@ ENTRY_POINTS = {
 }
 
 
-
 def run_path(path: str) -> int:
     """A Python script (``python path args``): its folder first on the path, run as ``__main__``."""
     sys.path[0] = os.path.dirname(os.path.abspath(path))
