@@ -187,6 +187,25 @@ def test_the_pool_builds_quickgelu_encoders_and_loads_the_pickled_and_state_dict
     assert list(pool.test_processor.transforms[-1].mean) == list(open_clip.OPENAI_DATASET_MEAN)
 
 
+def test_a_zip_checkpoint_is_mapped_from_its_file_and_a_legacy_one_read(tmp_path):
+    """torch.save's zip format is mapped (the file is in this process's mappings while its tensors live) and the
+    legacy format read whole; both load what was saved, and writing to a loaded tensor leaves the file as it was."""
+    saved = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}
+    zipped, legacy = tmp_path / "zip.pt", tmp_path / "legacy.pt"
+    torch.save(saved, zipped)
+    torch.save(saved, legacy, _use_new_zipfile_serialization=False)
+
+    def mapped(path) -> bool:
+        with open("/proc/self/maps") as maps:
+            return str(path) in maps.read()
+
+    from_zip, from_legacy = pools.load_checkpoint(str(zipped), True), pools.load_checkpoint(str(legacy), True)
+    assert mapped(zipped) and not mapped(legacy)
+    assert torch.equal(from_zip["w"], saved["w"]) and torch.equal(from_legacy["w"], saved["w"])
+    from_zip["w"].add_(1.0)
+    assert torch.equal(torch.load(zipped, weights_only=True)["w"], saved["w"])
+
+
 def test_a_bad_model_name_fails_before_the_checkpoint_is_read(tiny_architecture):
     pool = pools.OpenCLIPPool(OmegaConf.create({"_pretrained_": {"model_name": "ViT-X", "pickle_path": "/absent.pt"}}))
     with pytest.raises(ValueError, match="'ViT-X'"):
