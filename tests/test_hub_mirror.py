@@ -220,14 +220,20 @@ def write_task_vector_checkpoints(folder: Path) -> None:
         torch.save(head, folder / f"head_{name}.pt")
 
 
-def test_a_gated_repository_says_how_to_log_in_before_any_download(hub_folder, tmp_path):
-    with HubMirror(hub_folder, token=TOKEN, gated={"models/openai/clip-vit-base-patch32"}) as gated:
-        run = fusion_bench(gated, tmp_path, "fusion_bench method=featcal " + " ".join(TA8_POOLS), *TINY, ok=False)
-        assert run.returncode != 0
-        message = " ".join(run.stderr.split())  # the CLI's error panel wraps lines
-        assert "modelpool.models._pretrained_: 'openai/clip-vit-base-patch32' is a gated model" in message, message[-3000:]
-        assert "huggingface-cli login" in message and "HF_TOKEN" in message
-        assert gated.fetched() == {}  # failed before any file was downloaded
+def test_a_gated_repository_says_how_to_log_in_before_any_download(hub, tmp_path):
+    # the module's mirror, gated for this run (the mirror reads its gated set at each request): the run is forked
+    # from the process that imported its modules with that mirror's environment
+    since, base = len(hub.log), "models/openai/clip-vit-base-patch32"
+    hub.gated.add(base)
+    try:
+        run = fusion_bench(hub, tmp_path, "fusion_bench method=featcal " + " ".join(TA8_POOLS), *TINY, ok=False)
+    finally:
+        hub.gated.discard(base)
+    assert run.returncode != 0
+    message = " ".join(run.stderr.split())  # the CLI's error panel wraps lines
+    assert "modelpool.models._pretrained_: 'openai/clip-vit-base-patch32' is a gated model" in message, message[-3000:]
+    assert "huggingface-cli login" in message and "HF_TOKEN" in message
+    assert served(hub, since) == set()  # failed before any file was downloaded
 
 
 def test_the_check_passes_a_gated_repository_with_its_token(hub_folder, monkeypatch):

@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 from featcal_fusionbench.reports.compare import compare  # noqa: E402
 from featcal_fusionbench.reports.drift import DRIFT_PICTURE, drift_figure, write_drift_picture  # noqa: E402
 from featcal_fusionbench.reports.sweep import BEST_MARK, Sweep  # noqa: E402
+from shared_builds import built_once  # noqa: E402
 from test_cli import fusion_bench, toy_args  # noqa: E402
 
 import commands  # noqa: E402
@@ -22,11 +23,14 @@ pytestmark = pytest.mark.slow  # one fusion_bench multirun, four jobs
 
 
 @pytest.fixture(scope="module")
-def sweep_dir(toy_world, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("sweep")
-    fusion_bench("-m", *toy_args(toy_world, "method=featcal", "method.lambda_=1e-6,1e-3", "method.rho=1.0,2.0"),
-                 cwd=cwd)
-    (sweep,) = (cwd / "outputs" / "multirun" / "fabric_model_fusion").iterdir()
+def sweep_dir(toy_world, tmp_path_factory, worker_id):
+    """The multirun, made once for every worker: the tests read it, and those that write there work on a copy."""
+    def build(cwd):
+        fusion_bench("-m", *toy_args(toy_world, "method=featcal", "method.lambda_=1e-6,1e-3", "method.rho=1.0,2.0"),
+                     cwd=cwd)
+
+    folder = built_once(tmp_path_factory, worker_id, "sweep", build)
+    (sweep,) = (folder / "outputs" / "multirun" / "fabric_model_fusion").iterdir()
     return sweep
 
 
@@ -45,7 +49,9 @@ def run_cli(*args, cwd=None):
     return commands.run("featcal-report", *args, cwd=cwd, timeout=300)
 
 
-def test_the_sweep_table_is_each_runs_own_report_sorted_by_the_average(sweep_dir):
+def test_the_sweep_table_is_each_runs_own_report_sorted_by_the_average(sweep_dir, tmp_path):
+    shutil.copytree(sweep_dir, tmp_path / "sweep")  # written into by default
+    sweep_dir = tmp_path / "sweep"
     result = run_cli("sweep", sweep_dir)
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]

@@ -151,3 +151,32 @@ def test_an_undefined_spearman_rho_is_named_in_the_average_not_averaged_as_nan()
     assert report["score"] is None
     assert report["score_of_defined"] == pytest.approx(0.6)
     assert "glue-stsb" in report["note"] and "other 2" in report["note"]
+
+
+def test_a_merge_saved_by_fusionbenchs_seq2seq_pool_is_read_back_as_the_merged_model(tmp_path):
+    """FusionBench 0.2.33's Seq2SeqLMPool saves ``merged_model_save_path`` as BaseModelPool does, one torch.save'd
+    state dict file (no save_pretrained folder); ``method.merged_model_path`` reads that file, or a single
+    .safetensors file, into the base's class. A state dict of another model is refused, naming the keys."""
+    from fusion_bench.modelpool import BaseModelPool, Seq2SeqLMPool
+    from safetensors.torch import save_file
+
+    from featcal_fusionbench.integration.upstream import load_saved_model
+    from helpers import perturbed, tiny_t5
+
+    assert Seq2SeqLMPool.save_model is BaseModelPool.save_model  # the premise: if FusionBench overrides it, revisit
+    base = tiny_t5(layers=2, d_model=32, vocab=300)
+    merged = perturbed(base, 0.05, 1)
+    Seq2SeqLMPool(models={}, tokenizer=None).save_model(merged, str(tmp_path / "merged"))
+    assert (tmp_path / "merged").is_file()
+    save_file({k: v.clone() for k, v in merged.state_dict().items()}, str(tmp_path / "merged.safetensors"))
+    for path in (tmp_path / "merged", tmp_path / "merged.safetensors"):
+        loaded = load_saved_model(str(path), base)
+        assert type(loaded) is type(base) and loaded is not base
+        assert all(torch.equal(v, merged.state_dict()[k]) for k, v in loaded.state_dict().items())
+    other = tiny_t5(layers=1, d_model=32, vocab=300)
+    torch.save(other.state_dict(), tmp_path / "other")
+    with pytest.raises(ValueError, match=r"does not fit the base T5ForConditionalGeneration \(missing \['decoder.block.1"):
+        load_saved_model(str(tmp_path / "other"), base)
+    (tmp_path / "text").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="not a state dict torch.load reads"):
+        load_saved_model(str(tmp_path / "text"), base)

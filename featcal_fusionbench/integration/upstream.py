@@ -120,10 +120,11 @@ def check_upstream_source(modelpool, upstream: Any, merged_model_path: Optional[
 
 def load_saved_model(path: str, reference: nn.Module, device_map: Any = None) -> nn.Module:
     """A merged model saved by FusionBench's ``merged_model_save_path`` or by another merger (mergekit): a
-    ``save_pretrained`` folder (HF models; a local safetensors one is checked against ``reference``'s tensor names and
-    shapes before any tensor is read), or the state dict file that ``BaseModelPool.save_model`` writes for other
-    models (OpenCLIP's ``ImageEncoder``), loaded into a copy of ``reference`` (the base: same class and keys).
-    ``device_map``: ``from_pretrained``'s, for a model larger than one device."""
+    ``save_pretrained`` folder or hub id (HF models; a local safetensors one is checked against ``reference``'s tensor
+    names and shapes before any tensor is read), or a state dict file (below). ``device_map``: ``from_pretrained``'s,
+    for a model larger than one device."""
+    if Path(path).is_file():
+        return load_state_dict_file(path, reference)
     loader = getattr(type(reference), "from_pretrained", None)
     if loader is not None:
         check_checkpoint_matches(path, reference, "merged_model_path")
@@ -140,12 +141,37 @@ def load_saved_model(path: str, reference: nn.Module, device_map: Any = None) ->
         if device_map is not None:
             kwargs["device_map"] = device_map
         return loader(path, **kwargs)
-    if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"merged_model_path {path!r}: a {type(reference).__name__} has no from_pretrained, so a saved one is the "
-            f"state dict file FusionBench's model pool writes (torch.save), and there is no such file")
+    raise FileNotFoundError(
+        f"merged_model_path {path!r}: a {type(reference).__name__} has no from_pretrained, so a saved one is the "
+        f"state dict file FusionBench's model pool writes (torch.save), and there is no such file")
+
+
+def load_state_dict_file(path: str, reference: nn.Module) -> nn.Module:
+    """A copy of ``reference`` (the base: same class and keys) holding the state dict in file ``path``: what
+    ``BaseModelPool.save_model`` writes (``torch.save``) for every pool that does not save otherwise, OpenCLIP's
+    ``ImageEncoder`` and FusionBench 0.2.33's ``Seq2SeqLMPool`` among them (fusion_bench/modelpool/seq2seq_lm has
+    no ``save_model``), or a single ``.safetensors`` file. Its names must be the base's, checked before the copy."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ValueError(f"merged_model_path {path!r}: a file, but not a state dict torch.load reads "
+                             f"({type(error).__name__}: {error})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"merged_model_path {path!r}: holds a {type(state).__name__}, not a state dict")
+    expected = set(reference.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"merged_model_path {path!r}: its state dict does not fit the base {type(reference).__name__} "
+            f"(missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
+            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
     merged = copy.deepcopy(reference)
-    merged.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    merged.load_state_dict(state)
     return merged
 
 

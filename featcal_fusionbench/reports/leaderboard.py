@@ -158,8 +158,8 @@ def run_cells(cells: Sequence[Cell], folder: Path, executable: str, log=print) -
             log(f"imported FusionBench once, {time.perf_counter() - started:.0f} s: each cell is forked from here")
         forked = entry is not None and can_fork()
         started = time.perf_counter()
-        (here / "run.log").write_text("")  # run_forked appends
         if forked:
+            (here / "run.log").write_text("")  # run_forked appends
             returncode, usage = run_forked(entry, [executable, *args], here, here / "run.log", here / "run.log")
         else:
             with open(here / "run.log", "w") as out:

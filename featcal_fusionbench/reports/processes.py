@@ -3,10 +3,10 @@
 A started ``fusion_bench`` spends 8-13 s of 2 cores importing torch, Lightning, transformers and FusionBench before it
 reads its first argument (FusionBench's CLI alone: 11.5 s, 2026-11-29): the quick CLIP world's leaderboard, 69 cells,
 took 36.6 minutes with each cell started and 20.7 with each forked. A forked child runs the same entry point with the
-same arguments, folder, environment and output: only its imports happened earlier. Its peak RSS counts the modules it shares with this process, as a started one
-counts its own imports. Forking needs one thread here (a fork copies only the forking one, whose locks another
-thread may hold) and no CUDA context (a forked child cannot use it): ``can_fork`` says whether this process
-qualifies, and callers start the command instead where it does not.
+same arguments, folder, environment and output: only its imports happened earlier. Its peak RSS counts the modules
+it shares with this process, as a started one counts its own imports. Forking needs one thread here (a fork copies
+only the forking one, whose locks another thread may hold) and no CUDA context (a forked child cannot use it):
+``can_fork`` says whether this process qualifies, and callers start the command instead where it does not.
 """
 
 from __future__ import annotations
