@@ -138,7 +138,8 @@ def test_columns_left_out_are_neither_shown_nor_marked_best():
 
 def test_replayed_baseline_features_change_only_the_baselines_cells(tmp_path, fake, capsys):
     """--baseline-features replay: Surgery's and ProbSurgery's cells run with precompute_features=replay (their
-    command changes, so a board made streamed makes those cells again, and only those)."""
+    command changes, so a board made streamed makes those cells again, and only those); precomputed: with
+    precompute_features=true."""
     rows = leaderboard.parse_rows("task_arithmetic")
     cells = {c.column: c for c in leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS, POOL, tmp_path,
                                                    "replay")}
@@ -153,6 +154,11 @@ def test_replayed_baseline_features_change_only_the_baselines_cells(tmp_path, fa
     fake.unlink()
     assert report_main([*argv, "--baseline-features", "replay", "--", *POOL]) == 0
     assert sorted(made(fake)) == ["task_arithmetic/probsurgery", "task_arithmetic/surgery"]
+    precomputed = {c.column: c for c in leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS, POOL,
+                                                         tmp_path, "precomputed")}
+    for column in leaderboard.COLUMNS:
+        option = ["method.precompute_features=true"] if column in ("surgery", "probsurgery") else []
+        assert precomputed[column].args == [*streamed[column].args[:-len(POOL)], *option, *POOL], column
     with pytest.raises(ValueError, match="baseline features 'cached'"):
         leaderboard.plan(rows, leaderboard.COLUMNS, leaderboard.CLIP_METHODS, POOL, tmp_path, "cached")
 

@@ -27,6 +27,7 @@ from featcal_fusionbench.baselines import SurgeryModelWrapper
 from featcal_fusionbench.models.task_switch import EncoderOutputSurgery
 from featcal_fusionbench.families import family_for
 from featcal_fusionbench.families.openclip_vision import OpenCLIPVisionFamily, activation_of
+from featcal_fusionbench.integration.upstream import load_torch_file
 from fusion_bench.method import TaskArithmeticAlgorithm
 from fusion_bench.models.open_clip import ClassificationHead, ImageClassifier
 from fusion_bench.taskpool import OpenCLIPVisionModelTaskPool
@@ -199,7 +200,7 @@ def test_a_zip_checkpoint_is_mapped_from_its_file_and_a_legacy_one_read(tmp_path
         with open("/proc/self/maps") as maps:
             return str(path) in maps.read()
 
-    from_zip, from_legacy = pools.load_checkpoint(str(zipped), True), pools.load_checkpoint(str(legacy), True)
+    from_zip, from_legacy = load_torch_file(str(zipped), True), load_torch_file(str(legacy), True)
     assert mapped(zipped) and not mapped(legacy)
     assert torch.equal(from_zip["w"], saved["w"]) and torch.equal(from_legacy["w"], saved["w"])
     from_zip["w"].add_(1.0)

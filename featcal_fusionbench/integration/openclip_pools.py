@@ -15,7 +15,6 @@ before FusionBench's OpenCLIP modules are imported: they cannot be imported othe
 
 from __future__ import annotations
 
-import zipfile
 from typing import Any, Dict, Optional, Tuple
 from unittest import mock
 
@@ -25,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from .compat import backport_typing_override
+from .upstream import load_torch_file
 
 backport_typing_override()
 
@@ -96,17 +96,7 @@ def read_pickled_encoder(path: str) -> nn.Module:
     """A task-vector checkpoint: a whole pickled ``ImageEncoder`` of open_clip 2.0.2 (loading it runs its pickle, as
     FusionBench's loader does; a weights-only load cannot read a pickled module)."""
     _check_and_redirect_open_clip_modeling()  # maps the pickles' `src.modeling` and open_clip 2.0.2 class paths
-    return load_checkpoint(path, weights_only=False)
-
-
-def load_checkpoint(path: str, weights_only: bool):
-    """``torch.load`` onto the CPU, its tensors mapped from the file where it is a zip archive (torch.save's format
-    since torch 1.6): the loaded tensors are then the file's pages, read once, not a copy of each into fresh memory
-    (most of a full-width load's time: 16 ViT-B/32 checkpoints in a Task Arithmetic run that FeatCal follows).
-    Private mapping: writing to a loaded tensor never reaches the file. The legacy format is read as before."""
-    if zipfile.is_zipfile(path):
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
-    return torch.load(path, map_location="cpu", weights_only=weights_only)
+    return load_torch_file(path, weights_only=False)
 
 
 class OpenCLIPPool(OpenCLIPVisionModelPool):
@@ -126,7 +116,7 @@ class OpenCLIPPool(OpenCLIPVisionModelPool):
         if is_expr_match({"model_name": str, "pickle_path": str}, entry):
             read = lambda: read_pickled_encoder(entry["pickle_path"]).state_dict()  # noqa: E731
         elif is_expr_match({"model_name": str, "state_dict_path": str}, entry):
-            read = lambda: load_checkpoint(entry["state_dict_path"], weights_only=True)  # noqa: E731
+            read = lambda: load_torch_file(entry["state_dict_path"], weights_only=True)  # noqa: E731
         else:
             return super().load_model(model_name_or_config, *args, **kwargs)
         # a bad name fails before the checkpoint is read; the strict load below replaces every parameter and

@@ -6,7 +6,7 @@
                                       writes compare_drift.png (--out, default: the runs' common folder)
     featcal-report drift RUN          draws RUN/featcal_drift.png from its featcal_report.json
     featcal-report leaderboard run DIR [--rows ...] [--columns ...] [--method COLUMN=CONFIG]
-                                   [--baseline-features streamed|replay] -- POOL ARGS
+                                   [--baseline-features streamed|replay|precomputed] -- POOL ARGS
                                       upstream mergers x post-merging methods on one pool, a fusion_bench run per
                                       cell (missing cells only); writes DIR/leaderboard.md, .csv and .png
     featcal-report leaderboard show DIR [--include CSV]
@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     board.add_argument("--baseline-features", choices=sorted(leaderboard.BASELINE_FEATURES), default="streamed",
                        help="Surgery's and ProbSurgery's features: streamed through both models every step (their "
                        "default), or replay: computed once and served in the streamed run's batches (the same maps to "
-                       "float rounding, a fraction of the time; one feature row per example: CLIP and OpenCLIP)")
+                       "float rounding, a fraction of the time; one feature row per example: CLIP and OpenCLIP), or "
+                       "precomputed: computed once and resampled (other batches, another result; any family, T5's and "
+                       "causal LMs' rows being tokens)")
     board.add_argument("--include", action="append", default=[], type=Path, metavar="CSV",
                        help="an earlier board's leaderboard.csv: its cells are shown where DIR has none (repeatable)")
     return parser

@@ -72,7 +72,8 @@ class Cell:
 SOURCES: Dict[str, str] = {"surgery": "upstream", "probsurgery": "upstream", "featcal": "upstream",
                            "featcal_auto": "upstream", "svc_featcal": "svc"}
 #: --baseline-features: the feature mode (option precompute_features) of these columns, Surgery and ProbSurgery
-BASELINE_FEATURES = {"streamed": [], "replay": ["method.precompute_features=replay"]}
+BASELINE_FEATURES = {"streamed": [], "replay": ["method.precompute_features=replay"],
+                     "precomputed": ["method.precompute_features=true"]}
 BASELINES = ("surgery", "probsurgery")
 
 
