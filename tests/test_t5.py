@@ -175,7 +175,8 @@ def test_a_merge_saved_by_fusionbenchs_seq2seq_pool_is_read_back_as_the_merged_m
         assert all(torch.equal(v, merged.state_dict()[k]) for k, v in loaded.state_dict().items())
     other = tiny_t5(layers=1, d_model=32, vocab=300)
     torch.save(other.state_dict(), tmp_path / "other")
-    with pytest.raises(ValueError, match=r"does not fit the base T5ForConditionalGeneration \(missing \['decoder.block.1"):
+    mismatch = r"does not fit the base T5ForConditionalGeneration \(missing \['decoder.block.1"
+    with pytest.raises(ValueError, match=mismatch):
         load_saved_model(str(tmp_path / "other"), base)
     (tmp_path / "text").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="not a state dict torch.load reads"):

@@ -3,10 +3,10 @@ CUDA tests): a fresh interpreter each, so that a step's peak RSS and device memo
 
 ``FEATCAL_FORK_SCRIPTS=1`` (the test suites set it) forks each such process from the caller's instead
 (featcal_fusionbench/reports/processes.py): a fresh one spends 8-13 s importing torch, transformers and Lightning on 2
-cores before it reads its arguments, which the caller has imported already (the GPU check's CPU dry run: 81 s started, 30 s
-forked). The step runs the same code with the same arguments, folder and output; only its imports came earlier, and
-its peak RSS counts the pages it shares with the caller, so the benchmarks' figures are made without it. Where this
-process cannot fork (threads, CUDA), the step is started.
+cores before it reads its arguments, which the caller has imported already (the GPU check's CPU dry run: 81 s
+started, 30 s forked). The step runs the same code with the same arguments, folder and output; only its imports came
+earlier, and its peak RSS counts the pages it shares with the caller, so the benchmarks' figures are made without it.
+Where this process cannot fork (threads, CUDA), the step is started.
 """
 
 from __future__ import annotations
