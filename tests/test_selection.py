@@ -130,6 +130,9 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
         ({"search": "random"}, "search must be one of"),
         ({"grid": {"last_block_patch_token_weight": [1.0, 0.01]}}, "criterion 'objective' .* cannot vary"),
         ({"heldout": 0.2}, r"unknown option\(s\) \['heldout'\]"),
+        ({"alpha_criterion": "agreement"}, r"alpha_criterion must be one of \['none', 'drift'\]"),
+        ({"criterion": "drift", "alpha_criterion": "drift"}, "alpha_criterion 'drift' chooses alpha for criterion "
+                                                             "'objective'; criterion 'drift' searches grid.alpha"),
         ("yes", "expected true, false or a mapping"),
     ],
 )
@@ -142,6 +145,7 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
     ({"folds": 20}, 16, r"16 calibration example\(s\) in 20 folds leave a fold of 0"),
     ({"criterion": "drift", "heldout_fraction": 0.01}, 16, r"cannot be split into a fit and a held-out part .*0.01"),
     (True, 3, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # auto: four below eight examples
+    ({"alpha_criterion": "drift"}, 4, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # the fit part's
 ])
 def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()
@@ -273,6 +277,88 @@ def test_the_methods_values_are_kept_unless_the_evidence_beats_them_by_more_than
     assert "the method's values kept within the noise in block(s) 0-2" in describe_choice(auto)
     _, report = _search(tiny_world(batches=4), "objective", noise_z=0.0, grid=grid)
     assert "lambda_=0.05,rho=2,alpha=0.3" not in report["auto_select"]["choice"]["per_block"]
+
+
+def test_the_paired_difference_and_its_standard_error_match_an_independent_computation():
+    import numpy as np
+
+    from featcal_fusionbench.core.meters import paired_difference
+
+    rng = np.random.default_rng(0)
+    first = {"a": rng.normal(size=7), "b": rng.normal(size=3)}
+    second = {t: v + rng.normal(0.1, 0.2, size=v.size) for t, v in first.items()}
+    mean, se = paired_difference({t: torch.tensor(v) for t, v in first.items()},
+                                 {t: torch.tensor(v) for t, v in second.items()})
+    differences = [first[t] - second[t] for t in first]
+    assert mean == pytest.approx(np.mean([d.mean() for d in differences]))
+    assert se == pytest.approx(np.sqrt(sum(d.var(ddof=1) / d.size for d in differences)) / 2)
+    one = {"a": torch.tensor([1.0])}
+    assert paired_difference(one, {"a": torch.tensor([0.0])}) == (1.0, float("inf")), "one example: no evidence"
+
+
+ALPHA_GRID = {"lambda_": [1e-3, 1.0], "rho": [2.0], "alpha": [0.15, 0.6]}
+
+
+def test_the_alpha_stage_scores_each_alpha_by_held_out_drift_and_the_pass_runs_with_the_choice():
+    """alpha_criterion drift: lambda and rho chosen per block on the fit part at the method's alpha, then every
+    alpha of the grid and the method's calibrated on the fit part with that schedule and scored by the mean cosine
+    of the last block's output to the expert's on the held-out part (recomputed here with the engine and the drift
+    meter); with noise_z 0 the best alpha is taken, and the per-block pass then chooses lambda and rho at it."""
+    from dataclasses import replace
+
+    from featcal_fusionbench.autoselect.search import final_states, split_datasets
+    from featcal_fusionbench.core.meters import DriftMeter
+    from featcal_fusionbench.engine.policy import FixedHParams
+
+    world = tiny_world(batches=4)
+    base, experts, merged, _ = world
+    _, report = _search(world, "objective", alpha_criterion="drift", noise_z=0.0, widen=False, grid=ALPHA_GRID)
+    auto = report["auto_select"]
+    stage = auto["alpha"]
+    assert auto["alpha_criterion"] == "drift" and auto["grid"]["alpha"] == [0.15, 0.3, 0.6]
+    assert set(stage["scores"]) == {"0.15", "0.3", "0.6"} and stage["method_alpha"] == 0.3
+    assert stage["split"]["task0"] == {"fit": 12, "heldout": 4} and stage["calibrations"] == 3
+    assert auto["calibrations"] == 1 + 3
+    assert stage["best"] == max((float(k) for k in stage["scores"]), key=lambda a: stage["scores"][f"{a:g}"])
+    assert stage["chosen"] == stage["best"] and not stage["kept"]
+    assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}
+    fit, held, _ = split_datasets(_datasets(world), SelectionOptions(), 0)
+    family = family_for(base)
+    schedule = [replace(FeatCalHParams(), **h) for h in stage["schedule"]]
+    for alpha in (0.6,):
+        model = copy.deepcopy(merged)
+        FeatCalEngine(family, FeatCalHParams(), "cpu", progress=False,
+                      policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
+            model, base, experts, {t: [b for p in fold_datasets(fit, 8, 0)[0][t] for b in _batches_of(p)] for t in fit})
+        per_task = []
+        for task in experts:
+            meter = DriftMeter()
+            for (h, _m), (r, _n) in zip(final_states(family, model, _batches_of(held[task]), "cpu"),
+                                        final_states(family, experts[task], _batches_of(held[task]), "cpu")):
+                meter.update(h, r)
+            per_task.append(meter.result()["cosine"])
+        assert stage["scores"][f"{alpha:g}"] == pytest.approx(sum(per_task) / len(per_task), rel=1e-5)
+    assert "by held-out drift" in describe_choice(auto) or "the method's, the closest" in describe_choice(auto)
+
+
+def test_the_alpha_stage_keeps_the_methods_alpha_unless_beaten_by_more_than_the_noise():
+    _, report = _search(tiny_world(batches=4), "objective", alpha_criterion="drift", noise_z=1e9, widen=False,
+                        least_shrinkage=False, grid=ALPHA_GRID)
+    auto = report["auto_select"]
+    stage = auto["alpha"]
+    assert stage["chosen"] == 0.3 and stage["kept"] == (stage["best"] != 0.3)
+    assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {"alpha=0.3"}
+    if stage["kept"]:
+        assert "the method's alpha 0.3 kept" in describe_choice(auto)
+
+
+def test_the_alpha_stage_is_refused_on_several_devices_before_any_model_is_read(toy_world):
+    from types import SimpleNamespace
+
+    algorithm = FeatCalAlgorithm(auto_select={"alpha_criterion": "drift"})
+    algorithm._fabric_instance = SimpleNamespace(world_size=2, _loggers=None)
+    with pytest.raises(ValueError, match="alpha_criterion 'drift' runs on one device only"):
+        algorithm._check(load_pool(toy_world), ["toy_0"])
 
 
 def _least_shrinkage(per_part, best, least_shrinkage=True, widened=None):

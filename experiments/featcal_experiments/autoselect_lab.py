@@ -150,6 +150,64 @@ class Lab:
         return {"scores": result, "average": result["average"], "report": report}
 
 
+def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams) -> List[Dict[str, Any]]:
+    """Per alpha at fixed ``hparams`` (lambda_, rho): the end-of-model criteria after a calibration on the fit part
+    of ``auto_select``'s split (the last block's mean cosine to the experts' on the held-out part, all tokens and the
+    family's feature site, and the head's argmax agreement where the family has a head), and the test score of the
+    calibration on all examples: does a label-free end-of-model criterion rank alpha as the test labels do?"""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from featcal_fusionbench.autoselect.options import SelectionOptions
+    from featcal_fusionbench.autoselect.search import HeldoutReference, split_datasets
+    from featcal_fusionbench.engine.loop import FeatCalEngine
+
+    algorithm, datasets, base, experts, family, merged = lab.prepare(n, seed)
+    hp = replace(algorithm.featcal_hparams, **hparams)
+    device = lab.fabric.device
+    fit, held, _ = split_datasets(datasets, SelectionOptions(), hp.seed)
+    cache: Dict[int, list] = {}
+
+    def batches_of(dataset):
+        if id(dataset) not in cache:
+            cache[id(dataset)] = list(family.batches(lab.modelpool, dataset, hp.batch_size))
+        return list(cache[id(dataset)])
+
+    def held_batches(task):
+        return batches_of(held[task])
+
+    site = family.feature_site(lab.modelpool, merged).to(device)
+
+    @torch.no_grad()
+    def site_features(model, task):
+        return torch.cat([site.features(model, family.inputs_to(b, device)).float() for b in held_batches(task)])
+
+    expert_features = {t: site_features(e, t) for t, e in experts.items()}
+    drift = HeldoutReference(family, experts, held_batches, device, "drift")
+    agreement = HeldoutReference(family, experts, held_batches, device, "agreement")
+
+    def calibrated(data, alpha):
+        model = copy.deepcopy(merged)
+        FeatCalEngine(family, replace(hp, alpha=alpha), device, progress=False).run(
+            model, base, experts, {t: batches_of(d) for t, d in data.items()})
+        return model
+
+    out = []
+    for alpha in alphas:
+        model = calibrated(fit, alpha)
+        per_task = {"drift": drift.score(family, model, held_batches),
+                    "site": {t: float(F.cosine_similarity(site_features(model, t), expert_features[t], dim=-1).mean())
+                             for t in experts}}
+        if agreement.criterion == "agreement":
+            per_task["agreement"] = agreement.score(family, model, held_batches)
+        del model
+        test = lab.evaluate(calibrated(datasets, alpha))
+        out.append({"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()},
+                    "per_task": per_task, "test": test["average"], "test_per_task": test})
+    return out
+
+
 def kfold(dataset, folds: int, seed: int, task: str):
     """``folds`` disjoint parts of a task's calibration examples covering it, seeded by (seed, task)."""
     import zlib

@@ -68,6 +68,11 @@ def main(argv=None) -> int:
     variant.add_argument("--per-task", choices=("sum", "normalized"), default=None,
                          help="with --folds: each task's held-out objective apart, combined by this rule")
     variant.add_argument("--name", required=True)
+    probe = sub.add_parser("alpha-probe", help="per alpha at a fixed lambda and rho: held-out end-of-model "
+                                               "criteria after a calibration on the fit part, and the test score")
+    probe.add_argument("--lambda", dest="lambda_", type=float, required=True)
+    probe.add_argument("--rho", type=float, required=True)
+    probe.add_argument("--alphas", default="0.15,0.3,0.45,0.6")
     swap = sub.add_parser("swap", help="a variant's per-block choice with one block's values swapped, scored")
     swap.add_argument("--from", dest="source", type=Path, required=True, help="a variant's JSON")
     swap.add_argument("--blocks", required=True, help="comma-separated block indices")
@@ -128,6 +133,18 @@ def main(argv=None) -> int:
         path = args.out / f"variant-{args.world}-n{args.n}-seed{args.seed}-{args.name}.json"
         path.write_text(json.dumps(out, indent=1))
         print(f"{args.name}: {result['average']:.2f}", out["choices"], flush=True)
+    elif args.command == "alpha-probe":
+        from featcal_experiments.autoselect_lab import alpha_probe
+
+        rows = alpha_probe(lab, args.n, args.seed, [float(a) for a in args.alphas.split(",")], lambda_=args.lambda_,
+                           rho=args.rho)
+        out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+               "world": args.world, "n": args.n, "seed": args.seed, "lambda_": args.lambda_, "rho": args.rho,
+               "rows": rows}
+        with open(args.out / "alpha-probe.jsonl", "a") as f:
+            f.write(json.dumps(out) + "\n")
+        for row in rows:
+            print(json.dumps({k: round(v, 4) for k, v in row.items() if not isinstance(v, dict)}), flush=True)
     elif args.command == "swap":
         from dataclasses import replace
 
@@ -162,7 +179,8 @@ def main(argv=None) -> int:
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "world": args.world, "n": args.n, "seed": args.seed, "auto_select": options,
                "average": result["average"], "scores": result["scores"], "choice": auto["choice"],
-               "cost_multiple": auto["cost_multiple"], "candidates": auto.get("candidates"), "blocks": auto.get("blocks")}
+               "cost_multiple": auto["cost_multiple"], "candidates": auto.get("candidates"), "blocks": auto.get("blocks"),
+               **({"alpha": auto["alpha"]} if "alpha" in auto else {})}
         with open(args.out / "auto.jsonl", "a") as f:
             f.write(json.dumps(out) + "\n")
         print(json.dumps({k: out[k] for k in ("average", "choice", "cost_multiple")}))

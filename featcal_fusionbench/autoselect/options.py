@@ -14,6 +14,10 @@ Three criteria score a candidate on calibration examples that its solve did not 
 - ``agreement`` (higher is better): how often the calibrated model's prediction (argmax of the family's head) equals
   the task expert's on held-out tokens; families without a head (CLIP vision towers: the zero-shot head lives in the
   task pool) fall back to ``drift`` and the report says so.
+
+``alpha_criterion: drift`` chooses alpha for ``objective`` (which cannot): one alpha for the whole model, the one
+whose calibration on a fit part of each task's examples leaves the last block's output on the held-out part closest
+to the experts' (``drift``'s score), the method's alpha kept unless beaten by more than ``noise_z`` standard errors.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ from ..core.sampling import check_fold_sizes
 
 #: criterion -> whether a higher score is better
 CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True}
+#: how criterion objective's alpha is chosen: ``none`` keeps the method's (or searches ``grid.alpha`` per block on
+#: the objective, which favours the largest); ``drift``: one alpha for the model, by held-out end-of-model drift
+ALPHA_CRITERIA = ("none", "drift")
+#: alpha_criterion drift's candidates (with the method's own): the paper's 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5)
+#: and the 0.45 between, where the offline CLIP worlds' test labels peak at 256 examples per task
+ALPHA_CANDIDATES: Tuple[float, ...] = (0.15, 0.3, 0.45, 0.6)
 #: the hyperparameters a grid may vary; the last is a family option (CLIP families only)
 PATCH_WEIGHT = "last_block_patch_token_weight"
 GRID_KEYS = ("lambda_", "rho", "alpha", PATCH_WEIGHT)
@@ -63,8 +73,10 @@ class SelectionOptions:
     lambda past a grid edge that wins, down to the numerical floor of the moments' dtype (up to 1e4); ``noise_z``:
     the method's own values are kept unless the best beats them by more than this many standard errors (of the
     per-fold differences; 0 takes the best); ``least_shrinkage``: the smallest lambda whose score is within
-    ``noise_z`` standard errors of the best lambda's is taken. Criteria ``drift`` / ``agreement``:
-    ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's
+    ``noise_z`` standard errors of the best lambda's is taken; ``alpha_criterion``: ``drift`` chooses one alpha
+    among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's, before the per-block search, on a
+    ``heldout_fraction`` split. Criteria ``drift`` / ``agreement``: ``heldout_fraction`` of each task's examples is
+    held out. ``seed``: the folds' or the split's
     (null: the method's ``seed``).
     """
 
@@ -73,6 +85,7 @@ class SelectionOptions:
     noise_z: float = 2.0
     widen: bool = True
     least_shrinkage: bool = True
+    alpha_criterion: str = "none"
     heldout_fraction: float = 0.25
     search: str = "coordinate"
     seed: Optional[int] = None
@@ -94,6 +107,11 @@ class SelectionOptions:
             problems.append(f"widen must be true or false, got {self.widen!r}")
         if not isinstance(self.least_shrinkage, bool):
             problems.append(f"least_shrinkage must be true or false, got {self.least_shrinkage!r}")
+        if self.alpha_criterion not in ALPHA_CRITERIA:
+            problems.append(f"alpha_criterion must be one of {list(ALPHA_CRITERIA)}, got {self.alpha_criterion!r}")
+        elif self.alpha_criterion != "none" and self.criterion != "objective":
+            problems.append(f"alpha_criterion {self.alpha_criterion!r} chooses alpha for criterion 'objective'; "
+                            f"criterion {self.criterion!r} searches grid.alpha itself")
         if self.search not in SEARCHES:
             problems.append(f"search must be one of {list(SEARCHES)}, got {self.search!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -162,7 +180,10 @@ class SelectionOptions:
         grid = {k: self.grid.get(k, DEFAULT_GRID[k]) for k in ("lambda_", "rho")}
         if objective and "lambda_" not in self.grid:
             grid["lambda_"] = OBJECTIVE_LAMBDAS
-        grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])
+        if objective and self.alpha_criterion == "drift":  # the alpha stage's candidates, the method's among them
+            grid["alpha"] = tuple(sorted({*self.grid.get("alpha", ALPHA_CANDIDATES), hparams.alpha}))
+        else:
+            grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])
         if PATCH_WEIGHT in family_options:
             default = (float(family_options[PATCH_WEIGHT]),) if objective else DEFAULT_GRID[PATCH_WEIGHT]
             grid[PATCH_WEIGHT] = self.grid.get(PATCH_WEIGHT, default)

@@ -8,6 +8,11 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   with the choice on ALL of each task's examples, loaded (or written), and every stream advances through it, so
   the next block chooses on the chosen prefix (greedy, per block). ``search_seconds`` is the time spent choosing
   (the parts' collections and the candidates' solves).
+- ``alpha_criterion: drift`` (with ``objective``): before that pass, each task's examples split into a fit and a
+  held-out part; a copy of the merged model calibrated on the fit part with the method's alpha, lambda and rho chosen
+  per block as above, then one copy per other alpha with that per-block schedule; the alpha whose last-block output
+  on the held-out part lies closest to the experts' (mean cosine, paired per example) is taken if it beats the
+  method's by more than ``noise_z`` standard errors, and the pass above runs with it.
 - criteria ``drift`` / ``agreement``: each task's examples split into a fit and a held-out part; one calibration
   of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the held-out
   part's last-block outputs against the experts'. The experts' held-out outputs do not depend on the
@@ -21,16 +26,18 @@ import copy
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
 
 from ..core.hparams import FeatCalHParams
-from ..core.meters import AgreementMeter, DriftMeter
+from ..core.meters import AgreementMeter, DriftMeter, example_cosines, paired_difference
 from ..core.moments import NonFiniteError
 from ..core.sampling import fold_of, heldout_split, subset
 from ..engine.loop import FeatCalEngine
+from ..engine.policy import FixedHParams
 from ..families import ModelFamily
 from ..models.residency import on_device
 from .policy import CrossFitSelection, Search
@@ -93,14 +100,14 @@ def search_for(options: SelectionOptions, hp: FeatCalHParams, grid) -> Search:
 
 
 def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, merged, base, experts, parts,
-                        batches_of):
+                        batches_of, trial=False):
     """Calibrate ``merged`` in place, each block's values chosen by cross-fitting over each task's ``parts``
     (``policy.CrossFitSelection``) and the block then solved with them on all of them; the engine's report and the
-    search's."""
+    search's. ``trial``: a run of the alpha stage (nothing logged or written)."""
     folds = len(next(iter(parts.values())))  # every task has the same number of parts
     selection = CrossFitSelection(search_for(options, hp, grid), folds)
     batches = {t: [list(batches_of(p)) for p in ps] for t, ps in parts.items()}
-    report = make_engine(hp, family, policy=selection).run(
+    report = make_engine(hp, family, search=trial, policy=selection).run(
         merged, base, experts, {t: [b for part in bs for b in part] for t, bs in batches.items()},
         {t: [len(part) for part in bs] for t, bs in batches.items()})
     fixed = candidate_key({k: getattr(hp, k) for k in ("lambda_", "rho", "alpha")})
@@ -110,6 +117,73 @@ def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, m
     search = {"blocks": blocks, "solves": selection.solves, "calibrations": 1, "search_seconds": search_seconds,
               "final_seconds": report["seconds"] - search_seconds}
     return report, {"per_block": per_block}, search
+
+
+# ---- alpha_criterion "drift": one alpha for the model, then the per-block pass ----------------------------------
+
+
+def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
+                 datasets, batches_of, device, seed) -> Dict[str, Any]:
+    """The alpha stage's report (``chosen`` among it). The per-block objective cannot rank alpha (it scores against
+    the experts' own features and favours the largest), so alpha is scored where its effect shows: at the end of the
+    model, after every block has calibrated on inputs that earlier blocks' alpha shaped. lambda and rho are chosen
+    per block at the method's alpha (the one pass's rule, on the fit part's folds) and that schedule serves every
+    other alpha, one calibration each."""
+    started = time.perf_counter()
+    fit, held, sizes = split_datasets(datasets, options, seed)
+    fit_folds = options.folds_for(min(len(d) for d in fit.values()))
+    parts, _ = fold_datasets(fit, fit_folds, seed)
+
+    def held_batches(task):
+        return batches_of(held[task])
+
+    reference = {t: final_states(family, e, held_batches(t), device) for t, e in experts.items()}
+
+    def cosines(model) -> Dict[str, torch.Tensor]:
+        out = {}
+        for task, expert_states in reference.items():
+            states = final_states(family, model, held_batches(task), device)
+            out[task] = torch.cat([example_cosines(h, r, family.valid_token_mask(m, h)).cpu()
+                                   for (h, m), (r, _) in zip(states, expert_states)])
+        return out
+
+    model = copy.deepcopy(merged)
+    report, _, _ = calibrate_per_block(make_engine, family, hp, options, {**grid, "alpha": (hp.alpha,)}, model, base,
+                                       experts, parts, batches_of, trial=True)
+    schedule = [replace(hp, **entry["hparams"]) for entry in report["blocks"]]
+    per_example = {hp.alpha: cosines(model)}
+    del model
+    fit_batches = {t: [b for part in ps for b in batches_of(part)] for t, ps in parts.items()}
+    for alpha in grid["alpha"]:
+        if alpha == hp.alpha:
+            continue
+        model = copy.deepcopy(merged)
+        try:
+            make_engine(hp, family, search=True, policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
+                model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
+            per_example[alpha] = cosines(model)
+        except NonFiniteError:
+            per_example[alpha] = None
+        del model
+    scores = {f"{a:g}": mean_over_tasks({t: float(v.mean()) for t, v in c.items()}) if c is not None else math.nan
+              for a, c in sorted(per_example.items())}
+    alphas = {f"{a:g}": a for a in per_example}
+    best = alphas[best_of(scores, higher_is_better=True)]
+    # the best against the method's alpha, or (where the method's is the best) against the runner-up
+    others = {k: v for k, v in scores.items() if alphas[k] != hp.alpha and not math.isnan(v)}
+    versus = hp.alpha if best != hp.alpha else alphas[best_of(others, higher_is_better=True)] if others else None
+    margin = margin_se = None
+    if versus is not None:
+        margin, se = paired_difference(per_example[best], per_example[versus])
+        margin_se = margin / se if se > 0 else (0.0 if margin == 0 else math.copysign(math.inf, margin))
+    kept = best != hp.alpha and not margin_se > options.noise_z  # NaN or within the noise: the method's
+    return {
+        "criterion": "drift", "method_alpha": hp.alpha, "best": best, "chosen": hp.alpha if kept else best,
+        "versus": versus, "kept": kept, "margin": margin, "margin_se": margin_se,
+        "scores": scores, "split": sizes, "fit_folds": fit_folds,
+        "schedule": [{k: entry["hparams"][k] for k in ("lambda_", "rho")} for entry in report["blocks"]],
+        "calibrations": len(per_example), "seconds": time.perf_counter() - started,
+    }
 
 
 # ---- criteria "drift" / "agreement": a calibration per candidate ----------------------------------------------
@@ -216,10 +290,19 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
     folds = options.folds_for(hp.num_calibration_examples)
+    alpha_stage = None
     if options.criterion == "objective":
+        if options.alpha_criterion == "drift":
+            alpha_stage = choose_alpha(make_engine, family, options, hp, grid, merged, base, experts, datasets,
+                                       batches_of, device, seed)
+            hp = replace(hp, alpha=alpha_stage["chosen"])
         parts, sizes = fold_datasets(datasets, folds, seed, shard)
-        report, choice, search = calibrate_per_block(make_engine, family, hp, options, grid, merged, base, experts,
-                                                     parts, batches_of)
+        searched = {**grid, "alpha": (hp.alpha,)} if alpha_stage is not None else grid
+        report, choice, search = calibrate_per_block(make_engine, family, hp, options, searched, merged, base,
+                                                     experts, parts, batches_of)
+        if alpha_stage is not None:
+            search["search_seconds"] += alpha_stage["seconds"]
+            search["calibrations"] += alpha_stage["calibrations"]
     else:
         fit, held, sizes = split_datasets(datasets, options, seed)
         started = time.perf_counter()
@@ -241,8 +324,9 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
         "criterion": options.criterion,
         "search": f"per_block ({options.search})" if objective else options.search,
         **({"folds": folds, "noise_z": options.noise_z, "widen": options.widen,
-            "least_shrinkage": options.least_shrinkage} if objective
+            "least_shrinkage": options.least_shrinkage, "alpha_criterion": options.alpha_criterion} if objective
            else {"heldout_fraction": options.heldout_fraction}),
+        **({"alpha": alpha_stage} if alpha_stage is not None else {}),
         "seed": seed,
         "grid": {k: list(v) for k, v in grid.items()},
         "folds_per_task" if objective else "split": sizes,
@@ -274,6 +358,8 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
                       for key, a, b in spans)
     z = [e["margin_se"] for e in blocks if "margin_se" in e and e["margin"] >= 0]
     parts = [shown]
+    if "alpha" in auto:
+        parts.append(_alpha_line(auto["alpha"]))
     if z:
         unclear = sum(1 for v in z if v < auto.get("noise_z", 2.0))
         parts.append(f"runner-up {min(z):.1f}-{max(z):.1f} standard errors behind"
@@ -289,6 +375,21 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
         kinds = sorted({k for e in blocks for k in e.get("edge", [])})
         parts.append(f"at a grid edge in block(s) {_spans(edges)} ({'; '.join(kinds)})")
     return ", ".join(parts)
+
+
+def _alpha_line(stage: Mapping[str, Any]) -> str:
+    """How the alpha stage chose: held-out drift's margin, in standard errors, over the method's alpha (or, where the
+    method's is the best, its margin over the runner-up)."""
+    method, best, versus, z = stage["method_alpha"], stage["best"], stage["versus"], stage["margin_se"]
+    if versus is None:
+        return f"alpha {method:g}, the method's (no other alpha scored)"
+    if best == method:
+        return f"alpha {method:g}, the method's, the closest to the experts on held-out drift ({z:.1f} standard " \
+               f"errors ahead of {versus:g})"
+    if stage["kept"]:
+        return f"the method's alpha {method:g} kept: {best:g} ahead on held-out drift by {z:.1f} standard errors, " \
+               f"within the noise"
+    return f"alpha {best:g} by held-out drift, {z:.1f} standard errors ahead of the method's {method:g}"
 
 
 def _values(key: str) -> str:

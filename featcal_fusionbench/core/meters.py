@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import math
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,3 +57,26 @@ class AgreementMeter:
     def result(self) -> float:
         return self.agree / self.count if self.count else float("nan")
 
+
+
+def example_cosines(hidden: Tensor, reference: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """Each example's mean cosine similarity to its reference over its valid tokens (examples on the leading axis),
+    in float64."""
+    cosine = F.cosine_similarity(hidden.double(), reference.double(), dim=-1).reshape(hidden.shape[0], -1)
+    if mask is None:
+        return cosine.mean(dim=1)
+    keep = mask.reshape(hidden.shape[0], -1).to(cosine.dtype)
+    return (cosine * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
+
+
+def paired_difference(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -> Tuple[float, float]:
+    """The mean over tasks of each task's mean per-example difference ``first - second`` (the same examples in
+    both), and its standard error: tasks independent, each task's examples paired."""
+    means, variances = [], []
+    for task, values in first.items():
+        difference = (values - second[task]).double()
+        means.append(float(difference.mean()))
+        count = difference.numel()
+        variances.append(float(difference.var(unbiased=True)) / count if count > 1 else math.inf)
+    tasks = len(means)
+    return sum(means) / tasks, math.sqrt(sum(variances)) / tasks

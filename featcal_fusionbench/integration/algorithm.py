@@ -15,7 +15,7 @@ from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 from ..autoselect.options import SelectionOptions
 from ..autoselect.search import auto_calibrate
 from ..core.hparams import DEFAULTS, FeatCalHParams
-from ..core.sampling import check_split_sizes
+from ..core.sampling import check_split_sizes, heldout_split
 from ..engine.loop import FeatCalEngine
 from ..engine.plan import plan_blocks
 from ..engine.streams import StreamOptions
@@ -174,8 +174,17 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                     "use criterion objective (its moments are all-reduced) on several"
                 )
             options = self.selection_options
+            if world_size > 1 and options.alpha_criterion != "none":
+                raise ValueError(
+                    f"auto_select alpha_criterion {options.alpha_criterion!r} runs on one device only (its held-out "
+                    "drift is not all-reduced); set auto_select.alpha_criterion=none, or fix method.alpha, on several"
+                )
             if options.criterion == "objective":
                 options.check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
+                if options.alpha_criterion != "none":
+                    check_split_sizes(hp.num_calibration_examples, 1, options.heldout_fraction, tasks)
+                    fit, _ = heldout_split(hp.num_calibration_examples, options.heldout_fraction, 0, tasks[0])
+                    options.check_fold_sizes(len(fit), 1, tasks)  # the alpha stage's folds of the fit part
             else:
                 check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output

@@ -83,6 +83,10 @@ def check_out_of_core(modelpool, upstream: Any, merged_model_path: Optional[str]
         raise ValueError(
             f"auto_select criterion {selection.criterion!r} calibrates a copy of the whole merged model per "
             "candidate; out of core, use criterion objective (chosen block by block in the one calibration pass)")
+    if selection is not None and selection.alpha_criterion != "none":
+        raise ValueError(
+            f"auto_select alpha_criterion {selection.alpha_criterion!r} calibrates a copy of the whole merged model per "
+            "alpha; out of core, set auto_select.alpha_criterion=none (alpha stays method.alpha) or fix method.alpha")
 
 
 def load_lazy_merged(modelpool, upstream: Any, merged_model_path: Optional[str], base: nn.Module,
