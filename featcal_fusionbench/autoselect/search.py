@@ -133,27 +133,21 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     fit, held, sizes = split_datasets(datasets, options, seed)
     fit_folds = options.folds_for(min(len(d) for d in fit.values()))
     parts, _ = fold_datasets(fit, fit_folds, seed)
+    # every calibration and every score of the stage reads the same batches: made once
+    made = {id(p): list(batches_of(p)) for ps in parts.values() for p in ps}
+    held_made = {t: list(batches_of(d)) for t, d in held.items()}
 
     def held_batches(task):
-        return batches_of(held[task])
+        return held_made[task]
 
-    reference = {t: final_states(family, e, held_batches(t), device) for t, e in experts.items()}
-
-    def cosines(model) -> Dict[str, torch.Tensor]:
-        out = {}
-        for task, expert_states in reference.items():
-            states = final_states(family, model, held_batches(task), device)
-            out[task] = torch.cat([example_cosines(h, r, family.valid_token_mask(m, h)).cpu()
-                                   for (h, m), (r, _) in zip(states, expert_states)])
-        return out
-
+    reference = HeldoutReference(family, experts, held_batches, device, "drift")
     model = copy.deepcopy(merged)
     report, _, _ = calibrate_per_block(make_engine, family, hp, options, {**grid, "alpha": (hp.alpha,)}, model, base,
-                                       experts, parts, batches_of, trial=True)
+                                       experts, parts, lambda part: made[id(part)], trial=True)
     schedule = [replace(hp, **entry["hparams"]) for entry in report["blocks"]]
-    per_example = {hp.alpha: cosines(model)}
+    per_example = {hp.alpha: reference.example_cosines(family, model, held_batches)}
     del model
-    fit_batches = {t: [b for part in ps for b in batches_of(part)] for t, ps in parts.items()}
+    fit_batches = {t: [b for part in ps for b in made[id(part)]] for t, ps in parts.items()}
     for alpha in grid["alpha"]:
         if alpha == hp.alpha:
             continue
@@ -161,7 +155,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
         try:
             make_engine(hp, family, search=True, policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
                 model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
-            per_example[alpha] = cosines(model)
+            per_example[alpha] = reference.example_cosines(family, model, held_batches)
         except NonFiniteError:
             per_example[alpha] = None
         del model
@@ -228,6 +222,15 @@ class HeldoutReference:
             if all(v is not None for v in logits.values()):
                 self.argmax = {t: [x.argmax(-1) for x in v] for t, v in logits.items()}
         self.criterion = criterion if criterion != "agreement" or self.argmax is not None else "drift"
+
+    def example_cosines(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
+        """Per task, each held-out example's mean cosine of ``model``'s last-block output to the expert's."""
+        out = {}
+        for task, reference in self.states.items():
+            states = final_states(family, model, held_batches(task), self.device)
+            out[task] = torch.cat([example_cosines(h, r, family.valid_token_mask(m, h)).cpu()
+                                   for (h, m), (r, _) in zip(states, reference)])
+        return out
 
     def score(self, family, model, held_batches) -> Dict[str, float]:
         per_task = {}
