@@ -175,9 +175,12 @@ def test_a_merge_saved_by_fusionbenchs_seq2seq_pool_is_read_back_as_the_merged_m
         assert all(torch.equal(v, merged.state_dict()[k]) for k, v in loaded.state_dict().items())
     other = tiny_t5(layers=1, d_model=32, vocab=300)
     torch.save(other.state_dict(), tmp_path / "other")
-    mismatch = r"does not fit the base T5ForConditionalGeneration \(missing \['decoder.block.1"
+    mismatch = r"merged_model_path .*other' has different parameters from the pretrained model \(missing: \['encoder.bl"
     with pytest.raises(ValueError, match=mismatch):
         load_saved_model(str(tmp_path / "other"), base)
+    torch.save(tiny_t5(layers=2, d_model=16, vocab=300).state_dict(), tmp_path / "narrow")  # the same names
+    with pytest.raises(ValueError, match=r"narrow' has a different shape for shared.weight: \(300, 16\) where"):
+        load_saved_model(str(tmp_path / "narrow"), base)
     (tmp_path / "text").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="not a state dict torch.load reads"):
         load_saved_model(str(tmp_path / "text"), base)

@@ -17,8 +17,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..models.checks import (check_checkpoint_matches, check_pool_checkpoint, checkpoint_architectures,
-                             warn_config_differences)
+from ..models.checks import (check_checkpoint_matches, check_pool_checkpoint, check_same_state,
+                             checkpoint_architectures, warn_config_differences)
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ def load_state_dict_file(path: str, reference: nn.Module) -> nn.Module:
     """A copy of ``reference`` (the base: same class and keys) holding the state dict in file ``path``: what
     ``BaseModelPool.save_model`` writes (``torch.save``) for every pool that does not save otherwise, OpenCLIP's
     ``ImageEncoder`` and FusionBench 0.2.33's ``Seq2SeqLMPool`` among them (fusion_bench/modelpool/seq2seq_lm has
-    no ``save_model``), or a single ``.safetensors`` file. Its names must be the base's, checked before the copy."""
+    no ``save_model``), or a single ``.safetensors`` file. Its names and shapes must be the base's, checked before the
+    copy."""
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file
 
@@ -174,13 +175,7 @@ def load_state_dict_file(path: str, reference: nn.Module) -> nn.Module:
                              f"({type(error).__name__}: {error})") from None
     if not isinstance(state, dict):
         raise ValueError(f"merged_model_path {path!r}: holds a {type(state).__name__}, not a state dict")
-    expected = set(reference.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"merged_model_path {path!r}: its state dict does not fit the base {type(reference).__name__} "
-            f"(missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
-            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
+    check_same_state(reference.state_dict(), state, f"merged_model_path {path!r}")
     merged = copy.deepcopy(reference)
     merged.load_state_dict(state)
     return merged

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Collection, List
+from typing import Collection, List, Mapping
 
-from torch import nn
+from torch import Tensor, nn
 
 from .lazy import SAFETENSORS_FILE, SAFETENSORS_INDEX, CheckpointTensors, entry_path, safetensors_header, tied_names
 
@@ -22,8 +22,13 @@ def check_same_architecture(reference: nn.Module, model: nn.Module, name: str,
         raise ValueError(
             f"{name} is a {type(model).__name__}, but the pretrained model is a {type(reference).__name__}"
         )
-    ref_state = reference.state_dict()
-    state = model.state_dict()
+    check_same_state(reference.state_dict(), model.state_dict(), name, shapes_may_differ)
+
+
+def check_same_state(ref_state: Mapping[str, Tensor], state: Mapping[str, Tensor], name: str,
+                     shapes_may_differ: Collection[str] = ()) -> None:
+    """Raise naming ``name`` when ``state``'s names or shapes differ from the pretrained model's ``ref_state``
+    (a model's, or a state dict read from a file, before it is loaded into a copy of the base)."""
     missing = [k for k in ref_state if k not in state]
     extra = [k for k in state if k not in ref_state]
     if missing or extra:
