@@ -104,12 +104,14 @@ def test_the_picture_is_a_heatmap_with_each_rows_best_boxed_and_the_best_starred
     def cell(average):
         return {"average": average, "tasks": {}, "seconds": 1.0, "calibration_seconds": None, "peak_rss_bytes": 1}
 
-    board = {"ta": {"upstream": cell(50.0), "featcal": cell(70.0)}, "ties": {"upstream": cell(80.0)}}
-    fig = leaderboard.figure(board, ["upstream", "featcal"])
+    board = {"ta": {"upstream": cell(50.0), "featcal": cell(70.0)}, "ties": {"upstream": cell(80.0)},
+             "fisher": {"upstream": cell(60.0)}}
+    fig = leaderboard.figure(board, ["upstream", "featcal", "svc"])
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.texts] == ["50.0", "70.0", "80.0", "n/a"]
+    # an SVC cell is n/a where plan() makes none (SVC_CONFIGS has no row "ta" nor "fisher"); the others are not made
+    assert [t.get_text() for t in ax.texts] == ["50.0", "70.0", "n/a", "80.0", "-", "-", "60.0", "-", "n/a"]
     boxes = [(p.get_x(), p.get_y()) for p in ax.patches]
-    assert boxes == [(0.5, -0.5), (-0.5, 0.5)]  # ta's best: featcal; ties's best: upstream
+    assert boxes == [(0.5, -0.5), (-0.5, 0.5), (-0.5, 1.5)]  # ta's best: featcal; ties's, fisher's: upstream
     (star,) = ax.lines
     assert star.get_marker() == "*" and round(float(star.get_ydata()[0])) == 1 - 0  # on the ties row
     path = tmp_path / "board.png"
@@ -131,7 +133,8 @@ def test_columns_left_out_are_neither_shown_nor_marked_best():
              "ties": {"upstream": cell(36.0), "surgery": cell(56.0)}}
     shown = ["upstream", "featcal_auto"]
     text = leaderboard.markdown(board, shown)
-    assert "| ta | 40.0 | **58.0** (best) |" in text and "| ties | **36.0** | n/a |" in text
+    assert "| ta | 40.0 | **58.0** (best) |" in text and "| ties | **36.0** | - |" in text
+    assert text.endswith(f"\n\n{leaderboard.ABSENT_NOTE}\n")
     ax = leaderboard.figure(board, shown).axes[0]
     assert [(p.get_x(), p.get_y()) for p in ax.patches] == [(0.5, -0.5), (-0.5, 0.5)]
 

@@ -248,6 +248,18 @@ def best_cells(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
     return per_row, overall
 
 
+#: a cell with no finished run: FusionBench cannot make it, or it is not made (yet, or it failed)
+UNAVAILABLE, NOT_MADE = "n/a", "-"
+ABSENT_NOTE = (f"{UNAVAILABLE}: FusionBench has no SVC config over this merger; {NOT_MADE}: no finished run in this "
+               "folder (not made yet, or it failed: see its run.log)")
+
+
+def absent(row: str, column: str) -> str:
+    """What a cell without a finished run shows: n/a where ``plan`` makes no command for it (an SVC column over a
+    merger FusionBench has no SVC config for), else not made."""
+    return UNAVAILABLE if column in ("svc", "svc_featcal") and row not in SVC_CONFIGS else NOT_MADE
+
+
 def markdown(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]) -> str:
     per_row, overall = best_cells(board, columns)
     lines = ["| upstream merger | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
@@ -255,7 +267,7 @@ def markdown(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]) ->
         shown = []
         for column in columns:
             if column not in cells:
-                shown.append("n/a")
+                shown.append(absent(row, column))
                 continue
             text = f"{cells[column]['average']:.1f}"
             if per_row.get(row) == column:
@@ -264,6 +276,8 @@ def markdown(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]) ->
                 text += " (best)"
             shown.append(text)
         lines.append(f"| {row} | " + " | ".join(shown) + " |")
+    if any(c not in cells for cells in board.values() for c in columns):
+        lines += ["", ABSENT_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -285,7 +299,8 @@ def _fmt(value: Optional[float]) -> str:
 
 
 def figure(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
-    """A heatmap of the averages; each row's best cell boxed, the best overall starred, n/a cells blank."""
+    """A heatmap of the averages; each row's best cell boxed, the best overall starred, cells without a run blank
+    (marked n/a or not made, as in the table)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,8 +321,8 @@ def figure(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
             value = values[i, j]
             # dark text on the colour map's bright end, light on its dark end
             color = "grey" if math.isnan(value) else "black" if image.norm(value) > 0.6 else "white"
-            ax.text(j, i, "n/a" if math.isnan(value) else f"{value:.1f}", ha="center", va="center", color=color,
-                    fontsize=8)
+            text = absent(row, column) if math.isnan(value) else f"{value:.1f}"
+            ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
         if row in per_row:
             j = columns.index(per_row[row])
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
