@@ -236,3 +236,32 @@ def test_the_linear_solve_equals_the_copying_solve_bit_for_bit():
     rhs = target.double() + 0.1 * anchor_weight.double()
     expected = torch.cholesky_solve(rhs.T, torch.linalg.cholesky(system)).T
     assert torch.equal(solve_linear_weight(gram, target, anchor_weight, 0.1, EPS).solution, expected)
+
+
+def test_a_shared_factor_solves_each_right_hand_side_as_its_own_solve_would():
+    """One factorisation per input group (q, k and v; gate and up) and per candidate's two anchors: each linear's
+    solution from the shared factor equals its own solve bit for bit, in place or copying, and a system that
+    cannot be factorised falls back for every right-hand side (rebuilt each time)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 30, generator=generator)
+    gram = x.T @ x
+    members = [tuple(torch.randn(m, 30, generator=generator) for _ in range(2)) for m in (7, 3, 7)]
+    factor = solver.ridge_factor(gram, 0.1, EPS)
+    for target, anchor_weight in members:
+        alone = solve_linear_weight(gram, target, anchor_weight, 0.1, EPS)
+        shared = solve_linear_weight(gram, target, anchor_weight, 0.1, EPS, factor=factor)
+        assert shared.method == alone.method == "cholesky" and torch.equal(shared.solution, alone.solution)
+    spd = solver.ridge_system(gram, 0.1 + EPS)
+    copying = solver.SpdFactor(spd)
+    for target, _ in members:
+        assert torch.equal(copying.solve(target.T).solution, solve_spd(spd, target.T).solution)
+    assert torch.equal(spd, solver.ridge_system(gram, 0.1 + EPS))  # the copying path leaves the system as it was
+    indefinite = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
+    rebuilt = []
+    failing = solver.SpdFactor(indefinite.clone(), rebuild=lambda: rebuilt.append(1) or indefinite.clone())
+    for k in range(2):
+        rhs = torch.randn(3, 2, generator=generator)
+        result = failing.solve(rhs.clone())
+        assert result.method == "lu"
+        torch.testing.assert_close(indefinite @ result.solution, rhs)
+    assert rebuilt == [1, 1]

@@ -52,44 +52,66 @@ def ridge_system(gram: Tensor, shift: float) -> Tensor:
     return system
 
 
-def solve_spd(matrix: Tensor, rhs: Tensor, rebuild: Optional[Callable[[], Tensor]] = None) -> SolveResult:
-    """Solve ``matrix @ X = rhs`` for a symmetric positive (semi)definite matrix.
+class SpdFactor:
+    """A symmetric positive (semi)definite matrix factorised once, for several right-hand sides: every linear that
+    reads one input (q, k and v; gate and up) shares its ridge system, and a candidate's solves at two anchors
+    (``engine.step.BlockStep.solve_over_rho``) share one too. Each ``solve`` gives what ``solve_spd`` gives for
+    that right-hand side alone, bit for bit.
 
-    Cholesky first; an LU solve when the factorisation breaks down numerically;
-    a least-squares solve when even that is singular, so a degenerate module
-    still gets the minimum-norm solution instead of an exception mid-run.
+    Cholesky first; an LU solve when the factorisation breaks down numerically; a least-squares solve when even that
+    is singular, so a degenerate module still gets the minimum-norm solution instead of an exception mid-run.
 
-    With ``rebuild`` on the CPU, the factor overwrites ``matrix`` and the solution a column-major ``rhs`` (float64
+    With ``rebuild`` on the CPU, the factor overwrites ``matrix`` and each solution its column-major ``rhs`` (float64
     tensors the caller gives up), bit for bit as the copying path: torch's ``cholesky_solve`` copies both operands,
     and at ``down_proj``'s 8192-wide input every d x d copy is 512 MiB of host memory. The rare fallbacks get the
-    matrix again from ``rebuild()`` (``rhs`` is untouched until the factorisation has succeeded).
+    matrix again from ``rebuild()`` for each right-hand side (``rhs`` is untouched until a factor exists).
     """
-    matrix = matrix.to(SOLVE_DTYPE)
-    rhs = rhs.to(SOLVE_DTYPE)
-    if rebuild is not None and matrix.device.type == "cpu":
-        # LAPACK works on column-major storage: the transposed view of a row-major symmetric matrix is the same
-        # matrix in that layout, so the factorisation and both triangular solves run on the given buffers
-        in_place = matrix.mT
-        if not rhs.mT.is_contiguous():  # a row-major right-hand side would be solved transposed, in other rounding
-            rhs = rhs.mT.contiguous().mT
-        info = torch.empty((), dtype=torch.int32)
-        factor, info = torch.linalg.cholesky_ex(in_place, out=(in_place, info))
-        if int(info) == 0:
-            torch.linalg.solve_triangular(factor, rhs, upper=False, out=rhs)
-            torch.linalg.solve_triangular(factor.mT, rhs, upper=True, out=rhs)
+
+    def __init__(self, matrix: Tensor, rebuild: Optional[Callable[[], Tensor]] = None):
+        matrix = matrix.to(SOLVE_DTYPE)
+        self.rebuild = rebuild
+        self.in_place = rebuild is not None and matrix.device.type == "cpu"
+        if self.in_place:
+            # LAPACK works on column-major storage: the transposed view of a row-major symmetric matrix is the
+            # same matrix in that layout, so the factorisation and both triangular solves run on the given buffers
+            in_place = matrix.mT
+            info = torch.empty((), dtype=torch.int32)
+            factor, info = torch.linalg.cholesky_ex(in_place, out=(in_place, info))
+            self.matrix = None  # overwritten: a fallback rebuilds it
+        else:
+            factor, info = torch.linalg.cholesky_ex(matrix)
+            self.matrix = matrix
+        self.factor: Optional[Tensor] = factor if int(info) == 0 else None
+
+    def solve(self, rhs: Tensor) -> SolveResult:
+        rhs = rhs.to(SOLVE_DTYPE)
+        if self.factor is not None:
+            if not self.in_place:
+                return SolveResult(torch.cholesky_solve(rhs, self.factor), "cholesky")
+            if not rhs.mT.is_contiguous():  # a row-major right-hand side would be solved transposed, in other rounding
+                rhs = rhs.mT.contiguous().mT
+            torch.linalg.solve_triangular(self.factor, rhs, upper=False, out=rhs)
+            torch.linalg.solve_triangular(self.factor.mT, rhs, upper=True, out=rhs)
             return SolveResult(rhs, "cholesky")
-        del factor, in_place
-        matrix = rebuild().to(SOLVE_DTYPE)
-    else:
-        factor, info = torch.linalg.cholesky_ex(matrix)
-        if int(info) == 0:
-            return SolveResult(torch.cholesky_solve(rhs, factor), "cholesky")
-    solution, info = torch.linalg.solve_ex(matrix, rhs)
-    if int(info) == 0 and bool(torch.isfinite(solution).all()):
-        return SolveResult(solution, "lu")
-    # gelsd (SVD based) exists on CPU only; the matrices are small enough to move.
-    lstsq = torch.linalg.lstsq(matrix.cpu(), rhs.cpu(), driver="gelsd")
-    return SolveResult(lstsq.solution.to(matrix.device), "lstsq")
+        matrix = self.rebuild().to(SOLVE_DTYPE) if self.in_place else self.matrix
+        solution, info = torch.linalg.solve_ex(matrix, rhs)
+        if int(info) == 0 and bool(torch.isfinite(solution).all()):
+            return SolveResult(solution, "lu")
+        # gelsd (SVD based) exists on CPU only; the matrices are small enough to move.
+        lstsq = torch.linalg.lstsq(matrix.cpu(), rhs.cpu(), driver="gelsd")
+        return SolveResult(lstsq.solution.to(matrix.device), "lstsq")
+
+
+def solve_spd(matrix: Tensor, rhs: Tensor, rebuild: Optional[Callable[[], Tensor]] = None) -> SolveResult:
+    """Solve ``matrix @ X = rhs`` for a symmetric positive (semi)definite matrix (``SpdFactor``, one right-hand
+    side)."""
+    return SpdFactor(matrix, rebuild).solve(rhs)
+
+
+def ridge_factor(weighted_gram: Tensor, lambda_: float, eps: float) -> SpdFactor:
+    """``sum omega G + (lambda + eps) I`` of one input group, factorised (``solve_linear_weight``'s system)."""
+    system = partial(ridge_system, weighted_gram, lambda_ + eps)  # built again only for a fallback
+    return SpdFactor(system(), rebuild=system)
 
 
 def solve_linear_weight(
@@ -98,6 +120,7 @@ def solve_linear_weight(
     anchor_weight: Tensor,
     lambda_: float,
     eps: float,
+    factor: Optional[SpdFactor] = None,
 ) -> SolveResult:
     """W* of Eq. 17 with the implementation's epsilon stabiliser.
 
@@ -105,13 +128,15 @@ def solve_linear_weight(
         weighted_gram: sum_i omega_i G_i, shape (d, d).
         weighted_target: sum_i omega_i W_i C_i, shape (m, d).
         anchor_weight: W_anc, shape (m, d).
+        factor: ``ridge_factor(weighted_gram, lambda_, eps)`` where the caller shares it (the linears of one input
+            group); made here otherwise.
 
     Returns W* of shape (m, d) solving W (sum omega G + (lambda + eps) I) = sum omega W_i C_i + lambda W_anc.
     """
     # one (m, d) buffer for the right-hand side, not four temporaries
     rhs = anchor_weight.to(SOLVE_DTYPE, copy=True).mul_(lambda_).add_(weighted_target)
-    system = partial(ridge_system, weighted_gram, lambda_ + eps)  # built again only for a fallback
-    result = solve_spd(system(), rhs.T, rebuild=system)
+    factor = ridge_factor(weighted_gram, lambda_, eps) if factor is None else factor
+    result = factor.solve(rhs.T)
     return SolveResult(result.solution.T.contiguous(), result.method)
 
 

@@ -21,7 +21,8 @@ from ..core.block_sums import TaskSums
 from ..core.hparams import FeatCalHParams
 from ..core.meters import DriftMeter
 from ..core.moments import LinearInputMoments, LinearInputStats, NormInputMoments, NormInputStats, Reduce, check_finite
-from ..core.solver import anchor, solve_bias, solve_layernorm_affine, solve_linear_weight, solve_norm_scale
+from ..core.solver import (anchor, ridge_factor, solve_bias, solve_layernorm_affine, solve_linear_weight,
+                           solve_norm_scale)
 from ..families import LINEAR, NORM_KINDS, ModelFamily, Site
 from .capture import capture_inputs, group_shared_inputs
 from .plan import BlockPlan
@@ -215,7 +216,7 @@ class BlockStep:
         values are not checked for non-finite ones (a candidate that overflows scores NaN)."""
         solution = BlockSolution()
         methods: Counter = Counter()
-        for name, values in self._site_solutions(sums, hp, methods, consume=consume, check=visit is None):
+        for name, (values,) in self._site_solutions(sums, hp, (hp.rho,), methods, consume=consume, check=visit is None):
             if visit is not None:
                 visit(name, values)
             else:
@@ -226,28 +227,27 @@ class BlockStep:
     def solve_over_rho(self, sums, hp: FeatCalHParams, rhos: Sequence[float],
                        visit: Callable[[float, str, Dict[str, Tensor]], None]) -> int:
         """Every site's values under ``hp`` at each rho of ``rhos``, handed to ``visit(rho, name, values)`` site by
-        site, from two solves per site: each solution is affine in rho (the anchor rho W_mer + (1 - rho) W_base is
-        the only place rho enters Eq. 17, 55 and 58, and each of them is linear in the anchor), so
-        values(rho) = values(0) + rho (values(1) - values(0)), equal up to float rounding to solving at rho. The
-        number of solves it made."""
-        from dataclasses import replace
-
+        site, from two solves per site (one factorisation: rho is not in the system): each solution is affine in rho
+        (the anchor rho W_mer + (1 - rho) W_base is the only place rho enters Eq. 17, 55 and 58, and each of them is
+        linear in the anchor), so values(rho) = values(0) + rho (values(1) - values(0)), equal up to float rounding
+        to solving at rho. The number of solves it made."""
         methods: Counter = Counter()
-        at_zero = self._site_solutions(sums, replace(hp, rho=0.0), methods, check=False)
-        at_one = self._site_solutions(sums, replace(hp, rho=1.0), methods, check=False)
-        for (name, zero), (_, one) in zip(at_zero, at_one):
+        for name, (zero, one) in self._site_solutions(sums, hp, (0.0, 1.0), methods, check=False):
             for rho in rhos:
                 visit(rho, name, {attr: torch.lerp(zero[attr], one[attr], rho) for attr in zero})
         return sum(methods.values())
 
-    def _site_solutions(self, sums, hp: FeatCalHParams, methods: Counter, consume: bool = False, check: bool = True):
-        """(site name, {attribute: value}) for every site in turn, solved from ``sums`` under ``hp``."""
+    def _site_solutions(self, sums, hp: FeatCalHParams, rhos: Sequence[float], methods: Counter,
+                        consume: bool = False, check: bool = True):
+        """(site name, [{attribute: value} at each of ``rhos``]) for every site in turn, solved from ``sums`` under
+        ``hp`` with its rho replaced by each of ``rhos``. The linears of one input group share one factorisation of
+        their ridge system, which no rho enters."""
         plan = self.plan
         cal_sites = plan.sites
         base_sites = self.family.sites(self.base_block)
 
-        def anchored(name, attr):
-            return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), hp.rho)
+        def anchored(name, attr, rho):
+            return anchor(getattr(cal_sites[name], attr), getattr(base_sites[name], attr).to(self.device), rho)
 
         def kept(name, attr, value, what):
             if check:
@@ -257,37 +257,47 @@ class BlockStep:
             return value
 
         for gi, group in enumerate(self.groups or []):
+            factor = ridge_factor(sums.gram[gi], hp.lambda_, hp.eps)
             for name in group.names:
                 site = cal_sites[name]
-                result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight"), hp.lambda_, hp.eps)
-                methods[result.method] += 1
-                values = {"weight": kept(name, "weight", result.solution, "weight")}
-                if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
-                    bias = solve_bias(
-                        sums.omega[gi],
-                        sums.bias_target[name],
-                        sums.mean_cal[gi],
-                        result.solution,
-                        anchored(name, "bias"),
-                        hp.lambda_,
-                    )
-                    values["bias"] = kept(name, "bias", bias, "bias")
-                yield name, values
+                per_rho = []
+                for rho in rhos:
+                    result = solve_linear_weight(sums.gram[gi], sums.target[name], anchored(name, "weight", rho),
+                                                 hp.lambda_, hp.eps, factor=factor)
+                    methods[result.method] += 1
+                    values = {"weight": kept(name, "weight", result.solution, "weight")}
+                    if hp.calibrate_bias and site.bias is not None and name in sums.bias_target:
+                        bias = solve_bias(
+                            sums.omega[gi],
+                            sums.bias_target[name],
+                            sums.mean_cal[gi],
+                            result.solution,
+                            anchored(name, "bias", rho),
+                            hp.lambda_,
+                        )
+                        values["bias"] = kept(name, "bias", bias, "bias")
+                    per_rho.append(values)
+                yield name, per_rho
+            del factor
             if consume:
                 sums.drop_group(gi, group.names)
         for name, entry in sums.norm.items():
-            gamma_anchor = anchored(name, "weight")
-            values = {}
-            if "r_beta" in entry:
-                gamma, beta = solve_layernorm_affine(
-                    entry["q"], entry["z"], entry["r_gamma"], entry["r_beta"], sums.num_tasks,
-                    gamma_anchor, anchored(name, "bias"), hp.lambda_, hp.eps,
-                )
-                values["bias"] = kept(name, "bias", beta, "shift")
-            else:
-                gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_, hp.eps)
-            values["weight"] = kept(name, "weight", gamma, "scale")
-            yield name, values
+            per_rho = []
+            for rho in rhos:
+                gamma_anchor = anchored(name, "weight", rho)
+                values = {}
+                if "r_beta" in entry:
+                    gamma, beta = solve_layernorm_affine(
+                        entry["q"], entry["z"], entry["r_gamma"], entry["r_beta"], sums.num_tasks,
+                        gamma_anchor, anchored(name, "bias", rho), hp.lambda_, hp.eps,
+                    )
+                    values["bias"] = kept(name, "bias", beta, "shift")
+                else:
+                    gamma = solve_norm_scale(entry["q"], entry["r_gamma"], sums.num_tasks, gamma_anchor, hp.lambda_,
+                                             hp.eps)
+                values["weight"] = kept(name, "weight", gamma, "scale")
+                per_rho.append(values)
+            yield name, per_rho
 
     def write(self, solution: BlockSolution) -> None:
         # Load everything together: no site of this block saw a partially updated block.
