@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import lightning as L
@@ -39,6 +40,9 @@ class Lab:
         self.modelpool = instantiate(self.cfg.modelpool)
         self.taskpool = instantiate(self.cfg.taskpool)
         self.taskpool._fabric_instance = self.fabric
+        # what FusionBench's program gives every pool it builds (fabric_fusion_program.py: `obj._program = self`):
+        # an lm-eval task pool reads the model pool's tokenizer through it (a merged model's folder has none)
+        self.taskpool._program = SimpleNamespace(modelpool=self.modelpool, fabric=self.fabric)
         self._prepared: Dict[tuple, Any] = {}
         self._batches: Dict[Any, list] = {}
         self._fast_eval = None

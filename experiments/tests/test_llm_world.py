@@ -135,6 +135,22 @@ def test_cli_args_add_the_world_config_folder(mini_world, monkeypatch, capsys):
                    "taskpool=LMEvalHarnessTaskPool/offline_llm"]
 
 
+def test_the_lab_gives_its_lm_eval_task_pool_the_model_pools_tokenizer(mini_world, monkeypatch, tmp_path):
+    """autoselect_lab's Lab builds the pools itself, so it gives the task pool what FusionBench's program gives it: a
+    merged model saved without tokenizer files (a fusion_bench run's merged_model_save_path) is scored with the
+    model pool's tokenizer, not one looked for beside the weights (where every in-process LLM score failed)."""
+    from types import SimpleNamespace
+
+    from featcal_experiments.autoselect_lab import Lab
+
+    worlds, _ = mini_world
+    monkeypatch.setenv(ENV_DIR, str(worlds))
+    lab = Lab(["method=featcal/causal_lm_ta", f"hydra.searchpath=[file://{worlds / 'llm' / 'config'}]",
+               "modelpool=CausalLMPool/offline_llm", "taskpool=LMEvalHarnessTaskPool/offline_llm"])
+    tokenizer = lab.taskpool._tokenizer_for(SimpleNamespace(name_or_path=str(tmp_path / "merged")))
+    assert (tokenizer.eos_token, tokenizer.name_or_path) == ("<|im_end|>", str(worlds / "llm" / "pretrained"))
+
+
 def test_an_unbuilt_world_names_its_build_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     assert world_cli(["args", "llm"]) == 1
