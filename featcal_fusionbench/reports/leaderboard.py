@@ -68,6 +68,15 @@ class Cell:
     unavailable: Optional[str] = None  # why the cell is n/a
 
 
+NO_SVC = "FusionBench has no SVC config over this merger"
+
+
+def unavailable(row: str, column: str) -> Optional[str]:
+    """Why the cell has no command (``plan``) and shows n/a (``absent``): an SVC column over a merger FusionBench has
+    no SVC config for; None for every other cell."""
+    return NO_SVC if column in ("svc", "svc_featcal") and row not in SVC_CONFIGS else None
+
+
 #: post-merging column -> the column whose saved model it starts from
 SOURCES: Dict[str, str] = {"surgery": "upstream", "probsurgery": "upstream", "featcal": "upstream",
                            "featcal_auto": "upstream", "svc_featcal": "svc"}
@@ -94,22 +103,18 @@ def plan(rows: Mapping[str, str], columns: Sequence[str], methods: Mapping[str, 
     for row, config in rows.items():
         merged = {c: str(Path(folder, row, c, MERGED).resolve()) for c in ("upstream", "svc")}
         for column in columns:
-            cell = Cell(row, column, source=SOURCES.get(column))
-            if column == "upstream":
+            cell = Cell(row, column, source=SOURCES.get(column), unavailable=unavailable(row, column))
+            if cell.unavailable is not None:
+                pass
+            elif column == "upstream":
                 cell.args = [f"method=upstream/{config}", f"merged_model_save_path={merged['upstream']}"]
             elif column == "svc":
-                if row not in SVC_CONFIGS:
-                    cell.unavailable = "FusionBench has no SVC config over this merger"
-                else:
-                    cell.args = [f"method=singular_value_calibration/{SVC_CONFIGS[row]}",
-                                 f"merged_model_save_path={merged['svc']}"]
+                cell.args = [f"method=singular_value_calibration/{SVC_CONFIGS[row]}",
+                             f"merged_model_save_path={merged['svc']}"]
             else:
-                if column == "svc_featcal" and row not in SVC_CONFIGS:
-                    cell.unavailable = "FusionBench has no SVC config over this merger"
-                else:
-                    cell.args = [f"method={methods[column]}", f"method.merged_model_path={merged[cell.source]}"]
-                    if column in BASELINES:
-                        cell.args += BASELINE_FEATURES[baseline_features]
+                cell.args = [f"method={methods[column]}", f"method.merged_model_path={merged[cell.source]}"]
+                if column in BASELINES:
+                    cell.args += BASELINE_FEATURES[baseline_features]
             if cell.source is not None and cell.source not in columns and cell.unavailable is None:
                 raise ValueError(f"column {column!r} starts from the {cell.source!r} cell's model: add that column")
             cell.args += list(pool_args)
@@ -250,14 +255,13 @@ def best_cells(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]):
 
 #: a cell with no finished run: FusionBench cannot make it, or it is not made (yet, or it failed)
 UNAVAILABLE, NOT_MADE = "n/a", "-"
-ABSENT_NOTE = (f"{UNAVAILABLE}: FusionBench has no SVC config over this merger; {NOT_MADE}: no finished run in this "
-               "folder (not made yet, or it failed: see its run.log)")
+ABSENT_NOTE = (f"{UNAVAILABLE}: {NO_SVC}; {NOT_MADE}: no finished run in this folder (not made yet, or it failed: "
+               "see its run.log)")
 
 
 def absent(row: str, column: str) -> str:
-    """What a cell without a finished run shows: n/a where ``plan`` makes no command for it (an SVC column over a
-    merger FusionBench has no SVC config for), else not made."""
-    return UNAVAILABLE if column in ("svc", "svc_featcal") and row not in SVC_CONFIGS else NOT_MADE
+    """What a cell without a finished run shows: n/a where ``plan`` makes no command for it, else not made."""
+    return UNAVAILABLE if unavailable(row, column) else NOT_MADE
 
 
 def markdown(board: Mapping[str, Mapping[str, dict]], columns: Sequence[str]) -> str:
