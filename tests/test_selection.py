@@ -130,7 +130,7 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
         ({"search": "random"}, "search must be one of"),
         ({"grid": {"last_block_patch_token_weight": [1.0, 0.01]}}, "criterion 'objective' .* cannot vary"),
         ({"heldout": 0.2}, r"unknown option\(s\) \['heldout'\]"),
-        ({"alpha_criterion": "agreement"}, r"alpha_criterion must be one of \['none', 'drift'\]"),
+        ({"alpha_criterion": "agreement"}, r"alpha_criterion must be one of \['none', 'drift', 'site'\]"),
         ({"criterion": "drift", "alpha_criterion": "drift"}, "alpha_criterion 'drift' chooses alpha for criterion "
                                                              "'objective'; criterion 'drift' searches grid.alpha"),
         ("yes", "expected true, false or a mapping"),
@@ -339,6 +339,91 @@ def test_the_alpha_stage_scores_each_alpha_by_held_out_drift_and_the_pass_runs_w
             per_task.append(meter.result()["cosine"])
         assert stage["scores"][f"{alpha:g}"] == pytest.approx(sum(per_task) / len(per_task), rel=1e-5)
     assert "by held-out drift" in describe_choice(auto) or "the method's, the closest" in describe_choice(auto)
+
+
+class _ProjectedSite:
+    """CLIP's feature site (the pooled output through a projection, unit-normalised) without a pool to read the
+    projection from."""
+
+    one_row_per_example = True
+
+    def __init__(self, hidden: int = 32, dim: int = 8):
+        self.projection = torch.nn.Linear(hidden, dim, bias=False)
+        torch.nn.init.normal_(self.projection.weight, generator=torch.Generator().manual_seed(5))
+
+    def to(self, device):
+        self.projection.to(device)
+        return self
+
+    def features(self, model, images):
+        return F.normalize(self.projection(model(images)[1]), dim=-1)
+
+
+def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_rows_cosine():
+    """alpha_criterion site: the same stage as drift's (schedule on the fit part, one calibration per alpha), each
+    alpha scored by the mean over tasks of the per-example cosine of its held-out features at the family's feature
+    site to the expert's (recomputed here with the engine and the site); with noise_z 0 the best is taken."""
+    from dataclasses import replace
+
+    from featcal_fusionbench.autoselect.search import AlphaSite, split_datasets
+    from featcal_fusionbench.engine.policy import FixedHParams
+
+    world = tiny_world(batches=4)
+    base, experts, merged, _ = world
+    datasets = _datasets(world)
+    options = SelectionOptions.parse({"criterion": "objective", "seed": 0, "grid": ALPHA_GRID, "noise_z": 0.0,
+                                      "widen": False, "alpha_criterion": "site"})
+
+    def make_engine(hp, family, search=False, **kwargs):
+        return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
+
+    with pytest.raises(ValueError, match="alpha_criterion 'site' needs the family's feature site"):
+        auto_calibrate(make_engine, lambda o: family_for(base, o), options, FeatCalHParams(), copy.deepcopy(merged),
+                       base, experts, datasets, _batches_of, torch.device("cpu"))
+    site = _ProjectedSite()
+    report = auto_calibrate(make_engine, lambda o: family_for(base, o), options, FeatCalHParams(), copy.deepcopy(merged),
+                            base, experts, datasets, _batches_of, torch.device("cpu"), site=AlphaSite(site))
+    auto = report["auto_select"]
+    stage = auto["alpha"]
+    assert auto["alpha_criterion"] == "site" and stage["criterion"] == "site" and stage["calibrations"] == 3
+    assert stage["best"] == max((float(k) for k in stage["scores"]), key=lambda a: stage["scores"][f"{a:g}"])
+    assert stage["chosen"] == stage["best"]
+    assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}
+    fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
+    family = family_for(base)
+    schedule = [replace(FeatCalHParams(), **h) for h in stage["schedule"]]
+    for alpha in (0.15, 0.6):
+        model = copy.deepcopy(merged)
+        FeatCalEngine(family, FeatCalHParams(), "cpu", progress=False,
+                      policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
+            model, base, experts, {t: [b for p in fold_datasets(fit, 8, 0)[0][t] for b in _batches_of(p)] for t in fit})
+        with torch.no_grad():
+            per_task = [float(F.cosine_similarity(torch.cat([site.features(model, b) for b in _batches_of(held[t])]),
+                                                  torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]),
+                                                  dim=-1).mean()) for t in experts]
+        assert stage["scores"][f"{alpha:g}"] == pytest.approx(sum(per_task) / len(per_task), rel=1e-5)
+    assert "the held-out feature site's cosine" in describe_choice(auto)
+
+
+def test_the_alpha_stage_by_the_feature_site_needs_one_row_per_example_and_a_pool_with_the_projection():
+    from featcal_fusionbench.autoselect.search import alpha_site
+
+    base, _experts, _merged, _data = tiny_causal_lm_world("llama")
+    with pytest.raises(ValueError, match="'site' compares one feature row per example .* causal_lm family's site has "
+                                         "one row per token"):
+        alpha_site(family_for(base), None, base)
+    clip = tiny_world()[0]
+    with pytest.raises(ValueError, match="alpha_criterion 'site' reads the family's feature site: .*need a "
+                                         "CLIPVisionModelPool"):
+        alpha_site(family_for(clip), None, clip)
+
+
+def test_the_alpha_stage_by_the_feature_site_runs_in_the_method_on_a_clip_pool(toy_world, tmp_path):
+    make(tmp_path, auto_select={"alpha_criterion": "site", "widen": False,
+                                "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.15, 0.6]}}).run(load_pool(toy_world))
+    auto = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
+    assert auto["alpha"]["criterion"] == "site" and set(auto["alpha"]["scores"]) == {"0.15", "0.3", "0.6"}
+    assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={auto['alpha']['chosen']:g}"}
 
 
 def test_the_alpha_stage_keeps_the_methods_alpha_unless_beaten_by_more_than_the_noise():

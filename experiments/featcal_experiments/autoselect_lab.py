@@ -76,7 +76,7 @@ class Lab:
         from dataclasses import replace
 
         from featcal_fusionbench.autoselect.options import SelectionOptions
-        from featcal_fusionbench.autoselect.search import auto_calibrate, split_datasets
+        from featcal_fusionbench.autoselect.search import alpha_site, auto_calibrate, split_datasets
         from featcal_fusionbench.engine.loop import FeatCalEngine
         from featcal_fusionbench.families import family_for
 
@@ -98,8 +98,10 @@ class Lab:
         started = time.perf_counter()
         if auto_select is not None:
             options = SelectionOptions.parse(auto_select)
+            site = alpha_site(family, self.modelpool, base) if options.alpha_criterion == "site" else None
             report = auto_calibrate(make_engine, lambda extra: family_for(base, {**algorithm.family_options, **extra}),
-                                    options, hp, model, base, experts, datasets, batches_of, self.fabric.device)
+                                    options, hp, model, base, experts, datasets, batches_of, self.fabric.device,
+                                    site=site)
         elif policy is not None and getattr(policy, "folds", None):  # the lab's cross-fitting variants
             from featcal_experiments.autoselect_variants import PerSiteSelection, per_site_engine
 
@@ -132,11 +134,14 @@ class Lab:
         from featcal_experiments.reproduce.render import scores
 
         if not exact and self._clip_pool():
-            if self._fast_eval is None:
-                self._fast_eval = ClipEvaluation(self.taskpool)
-            return self._fast_eval(model)
+            return self.zero_shot_heads()(model)
         report = self.taskpool.evaluate(model)
         return scores(json.loads(json.dumps(report, default=float)))
+
+    def zero_shot_heads(self) -> "ClipEvaluation":
+        if self._fast_eval is None:
+            self._fast_eval = ClipEvaluation(self.taskpool)
+        return self._fast_eval
 
     def _clip_pool(self) -> bool:
         from fusion_bench.taskpool import CLIPVisionModelTaskPool
@@ -188,6 +193,8 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
         return torch.cat([site.features(model, family.inputs_to(b, device)).float() for b in held_batches(task)])
 
     expert_features = {t: site_features(e, t) for t, e in experts.items()}
+    heads = lab.zero_shot_heads() if lab._clip_pool() else None
+    expert_logits = {t: heads.logits(e, t, held_batches(t)) for t, e in experts.items()} if heads else None
     drift = HeldoutReference(family, experts, held_batches, device, "drift")
     agreement = HeldoutReference(family, experts, held_batches, device, "agreement")
 
@@ -205,6 +212,12 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
                              for t in experts}}
         if agreement.criterion == "agreement":
             per_task["agreement"] = agreement.score(family, model, held_batches)
+        if heads:  # the task's zero-shot head (class names, no example's label) read on the held-out images
+            logits = {t: heads.logits(model, t, held_batches(t)) for t in experts}
+            per_task["head_agreement"] = {t: float((logits[t].argmax(-1) == expert_logits[t].argmax(-1)).float().mean())
+                                          for t in experts}
+            per_task["head_kl"] = {t: float(F.kl_div(logits[t].log_softmax(-1), expert_logits[t].log_softmax(-1),
+                                                     log_target=True, reduction="batchmean")) for t in experts}
         del model
         test = lab.evaluate(calibrated(datasets, alpha))
         out.append({"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()},
@@ -254,16 +267,17 @@ class ClipEvaluation:
             self.tasks[task] = (self.classifier.zeroshot_weights.clone(), batches)
 
     @torch.no_grad()
-    def __call__(self, model) -> Dict[str, float]:
+    def logits(self, model, task: str, images) -> torch.Tensor:
+        """``model``'s zero-shot logits of ``task``'s classes on batches of pixel values (float32, on the CPU)."""
         self.classifier.clip_model.vision_model = model
+        self.classifier.zeroshot_weights = self.tasks[task][0]
+        return torch.cat([self.classifier(pixel_values).float().cpu() for pixel_values in images])
+
+    def __call__(self, model) -> Dict[str, float]:
         out = {}
-        for task, (weights, batches) in self.tasks.items():
-            self.classifier.zeroshot_weights = weights
-            correct = total = 0
-            for inputs, targets in batches:
-                logits = self.classifier(inputs, return_image_embeds=True, return_dict=True, task_name=task)["logits"]
-                correct += int((logits.argmax(-1) == targets).sum())
-                total += len(targets)
-            out[task] = 100.0 * correct / total
+        for task, (_weights, batches) in self.tasks.items():
+            logits = self.logits(model, task, [inputs for inputs, _targets in batches])
+            targets = torch.cat([targets for _inputs, targets in batches])
+            out[task] = 100.0 * int((logits.argmax(-1) == targets).sum()) / len(targets)
         out["average"] = sum(out.values()) / len(out)
         return out

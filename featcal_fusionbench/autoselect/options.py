@@ -18,6 +18,8 @@ Three criteria score a candidate on calibration examples that its solve did not 
 ``alpha_criterion: drift`` chooses alpha for ``objective`` (which cannot): one alpha for the whole model, the one
 whose calibration on a fit part of each task's examples leaves the last block's output on the held-out part closest
 to the experts' (``drift``'s score), the method's alpha kept unless beaten by more than ``noise_z`` standard errors.
+``alpha_criterion: site`` is the same stage scored at the family's feature site instead (one row per example: the
+projected image embedding that CLIP's and OpenCLIP's zero-shot heads read), for those families only.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from ..core.sampling import check_fold_sizes
 #: criterion -> whether a higher score is better
 CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True}
 #: how criterion objective's alpha is chosen: ``none`` keeps the method's (or searches ``grid.alpha`` per block on
-#: the objective, which favours the largest); ``drift``: one alpha for the model, by held-out end-of-model drift
-ALPHA_CRITERIA = ("none", "drift")
+#: the objective, which favours the largest); ``drift``: one alpha for the model, by held-out end-of-model drift;
+#: ``site``: the same, by the held-out cosine at the family's feature site (image families)
+ALPHA_CRITERIA = ("none", "drift", "site")
 #: alpha_criterion drift's candidates (with the method's own): the paper's 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5)
 #: and the 0.45 between, where the offline CLIP worlds' test labels peak at 256 examples per task
 ALPHA_CANDIDATES: Tuple[float, ...] = (0.15, 0.3, 0.45, 0.6)
@@ -73,8 +76,8 @@ class SelectionOptions:
     lambda past a grid edge that wins, down to the numerical floor of the moments' dtype (up to 1e4); ``noise_z``:
     the method's own values are kept unless the best beats them by more than this many standard errors (of the
     per-fold differences; 0 takes the best); ``least_shrinkage``: the smallest lambda whose score is within
-    ``noise_z`` standard errors of the best lambda's is taken; ``alpha_criterion``: ``drift`` chooses one alpha
-    among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's, before the per-block search, on a
+    ``noise_z`` standard errors of the best lambda's is taken; ``alpha_criterion``: ``drift`` or ``site`` chooses one
+    alpha among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's, before the per-block search, on a
     ``heldout_fraction`` split. Criteria ``drift`` / ``agreement``: ``heldout_fraction`` of each task's examples is
     held out. ``seed``: the folds' or the split's
     (null: the method's ``seed``).
@@ -180,7 +183,7 @@ class SelectionOptions:
         grid = {k: self.grid.get(k, DEFAULT_GRID[k]) for k in ("lambda_", "rho")}
         if objective and "lambda_" not in self.grid:
             grid["lambda_"] = OBJECTIVE_LAMBDAS
-        if objective and self.alpha_criterion == "drift":  # the alpha stage's candidates, the method's among them
+        if objective and self.alpha_criterion != "none":  # the alpha stage's candidates, the method's among them
             grid["alpha"] = tuple(sorted({*self.grid.get("alpha", ALPHA_CANDIDATES), hparams.alpha}))
         else:
             grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])

@@ -12,7 +12,9 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   held-out part; a copy of the merged model calibrated on the fit part with the method's alpha, lambda and rho chosen
   per block as above, then one copy per other alpha with that per-block schedule; the alpha whose last-block output
   on the held-out part lies closest to the experts' (mean cosine, paired per example) is taken if it beats the
-  method's by more than ``noise_z`` standard errors, and the pass above runs with it.
+  method's by more than ``noise_z`` standard errors, and the pass above runs with it. ``alpha_criterion: site``: the
+  same stage, each alpha scored by the cosine of its held-out features at the family's feature site (one row per
+  example, ``AlphaSite``: the projected image embedding that CLIP's zero-shot heads read) to the experts'.
 - criteria ``drift`` / ``agreement``: each task's examples split into a fit and a held-out part; one calibration
   of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the held-out
   part's last-block outputs against the experts'. The experts' held-out outputs do not depend on the
@@ -119,11 +121,51 @@ def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, m
     return report, {"per_block": per_block}, search
 
 
-# ---- alpha_criterion "drift": one alpha for the model, then the per-block pass ----------------------------------
+# ---- alpha_criterion "drift" / "site": one alpha for the model, then the per-block pass -------------------------
+
+
+class AlphaSite:
+    """The experts' held-out features at the family's feature site (``FeatureSite``, one row per example: CLIP's and
+    OpenCLIP's projected image embedding, what the task's zero-shot head reads), for ``alpha_criterion: site``. The
+    site is built from the pool before the merge (``alpha_site``), the experts' rows once for every alpha."""
+
+    def __init__(self, site):
+        self.site = site
+        self.rows: Dict[str, torch.Tensor] = {}
+
+    def hold_out(self, family, experts, held_batches, device) -> None:
+        """Compute the experts' rows on their tasks' held-out batches, the reference of every alpha."""
+        self.site.to(device)
+        self.rows = {task: self.features(family, expert, held_batches(task), device) for task, expert in experts.items()}
+
+    @torch.no_grad()
+    def features(self, family, model: nn.Module, batches, device) -> torch.Tensor:
+        with on_device([model], device):  # the whole tower: a lazy expert is read, used and released
+            return torch.cat([self.site.features(model, family.inputs_to(b, device)).float().cpu() for b in batches])
+
+    def example_cosines(self, family, model, held_batches, device) -> Dict[str, torch.Tensor]:
+        return {task: torch.nn.functional.cosine_similarity(self.features(family, model, held_batches(task), device),
+                                                            reference, dim=-1)
+                for task, reference in self.rows.items()}
+
+
+def alpha_site(family: ModelFamily, modelpool, base: nn.Module) -> AlphaSite:
+    """``alpha_criterion: site``'s feature site, or a ValueError naming why this model has none (before the merge)."""
+    try:
+        site = family.feature_site(modelpool, base)
+    except TypeError as error:
+        raise ValueError(f"auto_select alpha_criterion 'site' reads the family's feature site: {error}") from None
+    if not site.one_row_per_example:
+        raise ValueError(
+            f"auto_select alpha_criterion 'site' compares one feature row per example (the image families: CLIP, "
+            f"OpenCLIP); the {family.name} family's site has one row per token. Use alpha_criterion=none (or drift; "
+            f"not on T5, where held-out drift ranks alpha in reverse)"
+        )
+    return AlphaSite(site)
 
 
 def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
-                 datasets, batches_of, device, seed) -> Dict[str, Any]:
+                 datasets, batches_of, device, seed, site: Optional[AlphaSite] = None) -> Dict[str, Any]:
     """The alpha stage's report (``chosen`` among it). The per-block objective cannot rank alpha (it scores against
     the experts' own features and favours the largest), so alpha is scored where its effect shows: at the end of the
     model, after every block has calibrated on inputs that earlier blocks' alpha shaped. lambda and rho are chosen
@@ -140,12 +182,21 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     def held_batches(task):
         return held_made[task]
 
-    reference = HeldoutReference(family, experts, held_batches, device, "drift")
+    if site is None:
+        reference = HeldoutReference(family, experts, held_batches, device, "drift")
+
+        def cosines(model):
+            return reference.example_cosines(family, model, held_batches)
+    else:
+        site.hold_out(family, experts, held_batches, device)
+
+        def cosines(model):
+            return site.example_cosines(family, model, held_batches, device)
     model = copy.deepcopy(merged)
     report, _, _ = calibrate_per_block(make_engine, family, hp, options, {**grid, "alpha": (hp.alpha,)}, model, base,
                                        experts, parts, lambda part: made[id(part)], trial=True)
     schedule = [replace(hp, **entry["hparams"]) for entry in report["blocks"]]
-    per_example = {hp.alpha: reference.example_cosines(family, model, held_batches)}
+    per_example = {hp.alpha: cosines(model)}
     del model
     fit_batches = {t: [b for part in ps for b in made[id(part)]] for t, ps in parts.items()}
     for alpha in grid["alpha"]:
@@ -155,7 +206,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
         try:
             make_engine(hp, family, search=True, policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
                 model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
-            per_example[alpha] = reference.example_cosines(family, model, held_batches)
+            per_example[alpha] = cosines(model)
         except NonFiniteError:
             per_example[alpha] = None
         del model
@@ -172,7 +223,8 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
         margin_se = margin / se if se > 0 else (0.0 if margin == 0 else math.copysign(math.inf, margin))
     kept = best != hp.alpha and not margin_se > options.noise_z  # NaN or within the noise: the method's
     return {
-        "criterion": "drift", "method_alpha": hp.alpha, "best": best, "chosen": hp.alpha if kept else best,
+        "criterion": "drift" if site is None else "site", "method_alpha": hp.alpha, "best": best,
+        "chosen": hp.alpha if kept else best,
         "versus": versus, "kept": kept, "margin": margin, "margin_se": margin_se,
         "scores": scores, "split": sizes, "fit_folds": fit_folds,
         "schedule": [{k: entry["hparams"][k] for k in ("lambda_", "rho")} for entry in report["blocks"]],
@@ -284,20 +336,23 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
 
 def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOptions, hp: FeatCalHParams,
                    merged, base, experts, datasets: Mapping[str, Any], batches_of: Callable[[Any], Any], device,
-                   shard=(0, 1)):
+                   shard=(0, 1), site: Optional[AlphaSite] = None):
     """Choose, and calibrate ``merged`` in place on all of ``datasets`` with the choice; return the engine's report
     with an ``auto_select`` entry (grid, scores, choice, fold or split sizes, seconds and the search's cost
     multiple). ``datasets``: each task's calibration examples, all of them; ``shard``: (rank, world size) of this
-    device, which calibrates on its share of each fold (criterion ``objective``; the others run on one device)."""
+    device, which calibrates on its share of each fold (criterion ``objective``; the others run on one device);
+    ``site``: ``alpha_site``'s, which ``alpha_criterion: site`` needs."""
     family = family_with({})
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
     folds = options.folds_for(hp.num_calibration_examples)
     alpha_stage = None
     if options.criterion == "objective":
-        if options.alpha_criterion == "drift":
+        if options.alpha_criterion != "none":
+            if options.alpha_criterion == "site" and site is None:
+                raise ValueError("auto_select alpha_criterion 'site' needs the family's feature site (alpha_site)")
             alpha_stage = choose_alpha(make_engine, family, options, hp, grid, merged, base, experts, datasets,
-                                       batches_of, device, seed)
+                                       batches_of, device, seed, site if options.alpha_criterion == "site" else None)
             hp = replace(hp, alpha=alpha_stage["chosen"])
         parts, sizes = fold_datasets(datasets, folds, seed, shard)
         searched = {**grid, "alpha": (hp.alpha,)} if alpha_stage is not None else grid
@@ -381,18 +436,19 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
 
 
 def _alpha_line(stage: Mapping[str, Any]) -> str:
-    """How the alpha stage chose: held-out drift's margin, in standard errors, over the method's alpha (or, where the
-    method's is the best, its margin over the runner-up)."""
+    """How the alpha stage chose: its held-out cosine's margin, in standard errors, over the method's alpha (or, where
+    the method's is the best, its margin over the runner-up)."""
     method, best, versus, z = stage["method_alpha"], stage["best"], stage["versus"], stage["margin_se"]
+    measure = "held-out drift" if stage["criterion"] == "drift" else "the held-out feature site's cosine"
     if versus is None:
         return f"alpha {method:g}, the method's (no other alpha scored)"
     if best == method:
-        return f"alpha {method:g}, the method's, the closest to the experts on held-out drift ({z:.1f} standard " \
+        return f"alpha {method:g}, the method's, the closest to the experts by {measure} ({z:.1f} standard " \
                f"errors ahead of {versus:g})"
     if stage["kept"]:
-        return f"the method's alpha {method:g} kept: {best:g} ahead on held-out drift by {z:.1f} standard errors, " \
+        return f"the method's alpha {method:g} kept: {best:g} ahead on {measure} by {z:.1f} standard errors, " \
                f"within the noise"
-    return f"alpha {best:g} by held-out drift, {z:.1f} standard errors ahead of the method's {method:g}"
+    return f"alpha {best:g} by {measure}, {z:.1f} standard errors ahead of the method's {method:g}"
 
 
 def _values(key: str) -> str:

@@ -13,7 +13,7 @@ from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
 from ..autoselect.options import SelectionOptions
-from ..autoselect.search import auto_calibrate
+from ..autoselect.search import alpha_site, auto_calibrate
 from ..core.hparams import DEFAULTS, FeatCalHParams
 from ..core.sampling import check_split_sizes, heldout_split
 from ..engine.loop import FeatCalEngine
@@ -111,6 +111,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
         self.family_options = _family_options(family_options, last_block_patch_token_weight)
         self.selection_options = SelectionOptions.parse(auto_select)
         self.in_memory = resolve_setting(models_in_memory, lazy_loading, out_of_core)
+        self._alpha_site = None  # alpha_criterion site's feature site, built with the models
 
     @property
     def streams_merged(self) -> bool:
@@ -177,7 +178,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             if world_size > 1 and options.alpha_criterion != "none":
                 raise ValueError(
                     f"auto_select alpha_criterion {options.alpha_criterion!r} runs on one device only (its held-out "
-                    "drift is not all-reduced); set auto_select.alpha_criterion=none, or fix method.alpha, on several"
+                    "scores are not all-reduced); set auto_select.alpha_criterion=none, or fix method.alpha, on several"
                 )
             if options.criterion == "objective":
                 options.check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
@@ -207,6 +208,10 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             family = family_for(base, self.family_options)
             family.check_models(modelpool, base)
             plan_blocks(family, base, self.featcal_hparams)
+            options = self.selection_options
+            # a model without the feature site fails here, before the merge
+            self._alpha_site = alpha_site(family, modelpool, base) if options is not None and \
+                options.alpha_criterion == "site" else None
         return base, experts, family
 
     def _source(self, modelpool, base, experts):
@@ -279,7 +284,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 return auto_calibrate(
                     make_engine, lambda extra: family_for(base, {**self.family_options, **extra}),
                     self.selection_options, hp, merged, base, experts, datasets, batches_of, self.fabric.device,
-                    shard=(rank, world_size),
+                    shard=(rank, world_size), site=self._alpha_site,
                 )
             shards = {t: shard(d, rank, world_size) for t, d in datasets.items()}
             return make_engine(hp, family).run(merged, base, experts, {t: batches_of(d) for t, d in shards.items()})
