@@ -132,20 +132,25 @@ class AlphaSite:
     def __init__(self, site):
         self.site = site
         self.rows: Dict[str, torch.Tensor] = {}
+        self.device = None
 
-    def hold_out(self, family, experts, held_batches, device) -> None:
+    def hold_out(self, family, experts, held_batches, device) -> "AlphaSite":
         """Compute the experts' rows on their tasks' held-out batches, the reference of every alpha."""
         self.site.to(device)
+        self.device = device
         self.rows = {task: self.features(family, expert, held_batches(task), device) for task, expert in experts.items()}
+        return self
 
     @torch.no_grad()
     def features(self, family, model: nn.Module, batches, device) -> torch.Tensor:
         with on_device([model], device):  # the whole tower: a lazy expert is read, used and released
             return torch.cat([self.site.features(model, family.inputs_to(b, device)).float().cpu() for b in batches])
 
-    def example_cosines(self, family, model, held_batches, device) -> Dict[str, torch.Tensor]:
-        return {task: torch.nn.functional.cosine_similarity(self.features(family, model, held_batches(task), device),
-                                                            reference, dim=-1)
+    def example_cosines(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
+        """Per task, each held-out example's cosine of ``model``'s row to the expert's (``HeldoutReference``'s
+        signature, so the alpha stage scores either alike)."""
+        return {task: torch.nn.functional.cosine_similarity(
+                    self.features(family, model, held_batches(task), self.device), reference, dim=-1)
                 for task, reference in self.rows.items()}
 
 
@@ -182,21 +187,13 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     def held_batches(task):
         return held_made[task]
 
-    if site is None:
-        reference = HeldoutReference(family, experts, held_batches, device, "drift")
-
-        def cosines(model):
-            return reference.example_cosines(family, model, held_batches)
-    else:
+    reference = HeldoutReference(family, experts, held_batches, device, "drift") if site is None else \
         site.hold_out(family, experts, held_batches, device)
-
-        def cosines(model):
-            return site.example_cosines(family, model, held_batches, device)
     model = copy.deepcopy(merged)
     report, _, _ = calibrate_per_block(make_engine, family, hp, options, {**grid, "alpha": (hp.alpha,)}, model, base,
                                        experts, parts, lambda part: made[id(part)], trial=True)
     schedule = [replace(hp, **entry["hparams"]) for entry in report["blocks"]]
-    per_example = {hp.alpha: cosines(model)}
+    per_example = {hp.alpha: reference.example_cosines(family, model, held_batches)}
     del model
     fit_batches = {t: [b for part in ps for b in made[id(part)]] for t, ps in parts.items()}
     for alpha in grid["alpha"]:
@@ -206,7 +203,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
         try:
             make_engine(hp, family, search=True, policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
                 model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
-            per_example[alpha] = cosines(model)
+            per_example[alpha] = reference.example_cosines(family, model, held_batches)
         except NonFiniteError:
             per_example[alpha] = None
         del model
