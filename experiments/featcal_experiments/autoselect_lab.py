@@ -169,7 +169,7 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
     import torch.nn.functional as F
 
     from featcal_fusionbench.autoselect.options import SelectionOptions
-    from featcal_fusionbench.autoselect.search import HeldoutReference, split_datasets
+    from featcal_fusionbench.autoselect.search import AlphaSite, HeldoutReference, split_datasets
     from featcal_fusionbench.engine.loop import FeatCalEngine
 
     algorithm, datasets, base, experts, family, merged = lab.prepare(n, seed)
@@ -186,13 +186,7 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
     def held_batches(task):
         return batches_of(held[task])
 
-    site = family.feature_site(lab.modelpool, merged).to(device)
-
-    @torch.no_grad()
-    def site_features(model, task):
-        return torch.cat([site.features(model, family.inputs_to(b, device)).float() for b in held_batches(task)])
-
-    expert_features = {t: site_features(e, t) for t, e in experts.items()}
+    site = AlphaSite(family.feature_site(lab.modelpool, merged)).hold_out(family, experts, held_batches, device)
     heads = lab.zero_shot_heads() if lab._clip_pool() else None
     expert_logits = {t: heads.logits(e, t, held_batches(t)) for t, e in experts.items()} if heads else None
     drift = HeldoutReference(family, experts, held_batches, device, "drift")
@@ -208,8 +202,7 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
     for alpha in alphas:
         model = calibrated(fit, alpha)
         per_task = {"drift": drift.score(family, model, held_batches),
-                    "site": {t: float(F.cosine_similarity(site_features(model, t), expert_features[t], dim=-1).mean())
-                             for t in experts}}
+                    "site": {t: float(c.mean()) for t, c in site.example_cosines(family, model, held_batches).items()}}
         if agreement.criterion == "agreement":
             per_task["agreement"] = agreement.score(family, model, held_batches)
         if heads:  # the task's zero-shot head (class names, no example's label) read on the held-out images
