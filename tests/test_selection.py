@@ -360,18 +360,19 @@ class _ProjectedSite:
 
 
 def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_rows_cosine():
-    """alpha_criterion site: the same stage as drift's (schedule on the fit part, one calibration per alpha), each
-    alpha scored by the mean over tasks of the per-example cosine of its held-out features at the family's feature
-    site to the expert's (recomputed here with the engine and the site); with noise_z 0 the best is taken."""
+    """alpha_criterion site: the fit part calibrated once per alpha at or above the method's, with the grid's
+    smallest lambda and the method's rho, each scored by the mean over tasks of the per-example cosine of its
+    held-out features at the family's feature site to the expert's (recomputed here with the engine and the site);
+    alphas below the method's are not tried; with noise_z 0 the best is taken."""
     from dataclasses import replace
 
     from featcal_fusionbench.autoselect.search import AlphaSite, split_datasets
-    from featcal_fusionbench.engine.policy import FixedHParams
 
     world = tiny_world(batches=4)
     base, experts, merged, _ = world
     datasets = _datasets(world)
-    options = SelectionOptions.parse({"criterion": "objective", "seed": 0, "grid": ALPHA_GRID, "noise_z": 0.0,
+    grid = {"lambda_": [1e-3, 1.0], "rho": [2.0], "alpha": [0.15, 0.45, 0.6]}
+    options = SelectionOptions.parse({"criterion": "objective", "seed": 0, "grid": grid, "noise_z": 0.0,
                                       "widen": False, "alpha_criterion": "site"})
 
     def make_engine(hp, family, search=False, **kwargs):
@@ -386,17 +387,17 @@ def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_r
     auto = report["auto_select"]
     stage = auto["alpha"]
     assert auto["alpha_criterion"] == "site" and stage["criterion"] == "site" and stage["calibrations"] == 3
+    assert set(stage["scores"]) == {"0.3", "0.45", "0.6"}
+    assert stage["stage_hparams"] == {"lambda_": 1e-3, "rho": FeatCalHParams().rho}
     assert stage["best"] == max((float(k) for k in stage["scores"]), key=lambda a: stage["scores"][f"{a:g}"])
     assert stage["chosen"] == stage["best"]
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}
     fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
     family = family_for(base)
-    schedule = [replace(FeatCalHParams(), **h) for h in stage["schedule"]]
-    for alpha in (0.15, 0.6):
+    for alpha in (0.3, 0.45, 0.6):
         model = copy.deepcopy(merged)
-        FeatCalEngine(family, FeatCalHParams(), "cpu", progress=False,
-                      policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
-            model, base, experts, {t: [b for p in fold_datasets(fit, 8, 0)[0][t] for b in _batches_of(p)] for t in fit})
+        FeatCalEngine(family, replace(FeatCalHParams(), lambda_=1e-3, alpha=alpha), "cpu", progress=False).run(
+            model, base, experts, {t: _batches_of(fit[t]) for t in fit})
         with torch.no_grad():
             per_task = [float(F.cosine_similarity(torch.cat([site.features(model, b) for b in _batches_of(held[t])]),
                                                   torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]),
@@ -422,7 +423,7 @@ def test_the_alpha_stage_by_the_feature_site_runs_in_the_method_on_a_clip_pool(t
     make(tmp_path, auto_select={"alpha_criterion": "site", "widen": False,
                                 "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.15, 0.6]}}).run(load_pool(toy_world))
     auto = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
-    assert auto["alpha"]["criterion"] == "site" and set(auto["alpha"]["scores"]) == {"0.15", "0.3", "0.6"}
+    assert auto["alpha"]["criterion"] == "site" and set(auto["alpha"]["scores"]) == {"0.3", "0.6"}
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={auto['alpha']['chosen']:g}"}
 
 

@@ -18,8 +18,9 @@ Three criteria score a candidate on calibration examples that its solve did not 
 ``alpha_criterion: drift`` chooses alpha for ``objective`` (which cannot): one alpha for the whole model, the one
 whose calibration on a fit part of each task's examples leaves the last block's output on the held-out part closest
 to the experts' (``drift``'s score), the method's alpha kept unless beaten by more than ``noise_z`` standard errors.
-``alpha_criterion: site`` is the same stage scored at the family's feature site instead (one row per example: the
-projected image embedding that CLIP's and OpenCLIP's zero-shot heads read), for those families only.
+``alpha_criterion: site`` scores at the family's feature site instead (one row per example: the projected image
+embedding that CLIP's and OpenCLIP's zero-shot heads read), for those families only, the method's alpha and those
+above it, each after one calibration of the fit part at the least shrinkage (no per-block search in the stage).
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ class SelectionOptions:
     the method's own values are kept unless the best beats them by more than this many standard errors (of the
     per-fold differences; 0 takes the best); ``least_shrinkage``: the smallest lambda whose score is within
     ``noise_z`` standard errors of the best lambda's is taken; ``alpha_criterion``: ``drift`` or ``site`` chooses one
-    alpha among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's, before the per-block search, on a
-    ``heldout_fraction`` split. Criteria ``drift`` / ``agreement``: ``heldout_fraction`` of each task's examples is
-    held out. ``seed``: the folds' or the split's
-    (null: the method's ``seed``).
+    alpha among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's (``site``: those at or above the
+    method's), before the per-block search, on a ``heldout_fraction`` split. Criteria ``drift`` / ``agreement``:
+    ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's (null: the method's
+    ``seed``).
     """
 
     criterion: str = "objective"

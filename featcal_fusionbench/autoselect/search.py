@@ -12,9 +12,10 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   held-out part; a copy of the merged model calibrated on the fit part with the method's alpha, lambda and rho chosen
   per block as above, then one copy per other alpha with that per-block schedule; the alpha whose last-block output
   on the held-out part lies closest to the experts' (mean cosine, paired per example) is taken if it beats the
-  method's by more than ``noise_z`` standard errors, and the pass above runs with it. ``alpha_criterion: site``: the
-  same stage, each alpha scored by the cosine of its held-out features at the family's feature site (one row per
-  example, ``AlphaSite``: the projected image embedding that CLIP's zero-shot heads read) to the experts'.
+  method's by more than ``noise_z`` standard errors, and the pass above runs with it. ``alpha_criterion: site``:
+  the same split and rule, each alpha at or above the method's scored by the cosine of its held-out features at the
+  family's feature site (one row per example, ``AlphaSite``: the projected image embedding that CLIP's zero-shot
+  heads read) to the experts', each after a calibration of the fit part with fixed lambda and rho (``site_stage``).
 - criteria ``drift`` / ``agreement``: each task's examples split into a fit and a held-out part; one calibration
   of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the held-out
   part's last-block outputs against the experts'. The experts' held-out outputs do not depend on the
@@ -173,9 +174,12 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
                  datasets, batches_of, device, seed, site: Optional[AlphaSite] = None) -> Dict[str, Any]:
     """The alpha stage's report (``chosen`` among it). The per-block objective cannot rank alpha (it scores against
     the experts' own features and favours the largest), so alpha is scored where its effect shows: at the end of the
-    model, after every block has calibrated on inputs that earlier blocks' alpha shaped. lambda and rho are chosen
-    per block at the method's alpha (the one pass's rule, on the fit part's folds) and that schedule serves every
-    other alpha, one calibration each."""
+    model, after every block has calibrated on inputs that earlier blocks' alpha shaped. ``drift``: lambda and rho
+    are chosen per block at the method's alpha (the one pass's rule, on the fit part's folds) and that schedule
+    serves every other alpha, one calibration each. ``site``: ``site_stage``."""
+    if site is not None:
+        return site_stage(make_engine, family, options, hp, grid, merged, base, experts, datasets, batches_of,
+                          device, seed, site)
     started = time.perf_counter()
     fit, held, sizes = split_datasets(datasets, options, seed)
     fit_folds = options.folds_for(min(len(d) for d in fit.values()))
@@ -183,12 +187,8 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     # every calibration and every score of the stage reads the same batches: made once
     made = {id(p): list(batches_of(p)) for ps in parts.values() for p in ps}
     held_made = {t: list(batches_of(d)) for t, d in held.items()}
-
-    def held_batches(task):
-        return held_made[task]
-
-    reference = HeldoutReference(family, experts, held_batches, device, "drift") if site is None else \
-        site.hold_out(family, experts, held_batches, device)
+    held_batches = held_made.__getitem__
+    reference = HeldoutReference(family, experts, held_batches, device, "drift")
     model = copy.deepcopy(merged)
     report, _, _ = calibrate_per_block(make_engine, family, hp, options, {**grid, "alpha": (hp.alpha,)}, model, base,
                                        experts, parts, lambda part: made[id(part)], trial=True)
@@ -197,36 +197,73 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     del model
     fit_batches = {t: [b for part in ps for b in made[id(part)]] for t, ps in parts.items()}
     for alpha in grid["alpha"]:
-        if alpha == hp.alpha:
-            continue
-        model = copy.deepcopy(merged)
-        try:
-            make_engine(hp, family, search=True, policy=FixedHParams([replace(h, alpha=alpha) for h in schedule])).run(
-                model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
-            per_example[alpha] = reference.example_cosines(family, model, held_batches)
-        except NonFiniteError:
-            per_example[alpha] = None
-        del model
+        if alpha != hp.alpha:
+            policy = FixedHParams([replace(h, alpha=alpha) for h in schedule])
+            engine = make_engine(hp, family, search=True, policy=policy)
+            per_example[alpha] = held_out_cosines(engine, merged, base, experts, fit_batches, reference, family,
+                                                  held_batches)
+    return {
+        "criterion": "drift", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes,
+        "fit_folds": fit_folds,
+        "schedule": [{k: entry["hparams"][k] for k in ("lambda_", "rho")} for entry in report["blocks"]],
+        "calibrations": len(per_example), "seconds": time.perf_counter() - started,
+    }
+
+
+def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
+               datasets, batches_of, device, seed, site: AlphaSite) -> Dict[str, Any]:
+    """``alpha_criterion: site``'s stage: the merged model calibrated on the fit part once per alpha of the grid at
+    or above the method's, with the grid's smallest lambda and the method's rho in every block (no per-block search:
+    at the least shrinkage rho hardly matters, and the per-block pass after the stage chooses both at the chosen
+    alpha), each scored at the held-out feature site. Alphas below the method's are not tried: wherever the offline
+    CLIP worlds tried 0.15, it scored below 0.3 on the test labels and at the site (docs/featcal.md)."""
+    started = time.perf_counter()
+    fit, held, sizes = split_datasets(datasets, options, seed)
+    fit_made = {t: list(batches_of(d)) for t, d in fit.items()}
+    held_made = {t: list(batches_of(d)) for t, d in held.items()}
+    held_batches = held_made.__getitem__
+    site.hold_out(family, experts, held_batches, device)
+    stage = replace(hp, lambda_=min(grid["lambda_"]))
+    per_example: Dict[float, Optional[Dict[str, torch.Tensor]]] = {}
+    for alpha in sorted(a for a in {*grid["alpha"], hp.alpha} if a >= hp.alpha):
+        per_example[alpha] = held_out_cosines(make_engine(replace(stage, alpha=alpha), family, search=True), merged,
+                                              base, experts, fit_made, site, family, held_batches)
+    return {
+        "criterion": "site", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes,
+        "stage_hparams": {"lambda_": stage.lambda_, "rho": stage.rho},
+        "calibrations": len(per_example), "seconds": time.perf_counter() - started,
+    }
+
+
+def held_out_cosines(engine: FeatCalEngine, merged, base, experts, fit_batches, reference, family, held_batches):
+    """``reference``'s per-example held-out cosines of a copy of ``merged`` that ``engine`` calibrated on
+    ``fit_batches``, or None where that calibration was not finite."""
+    model = copy.deepcopy(merged)
+    try:
+        engine.run(model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
+    except NonFiniteError:
+        return None
+    return reference.example_cosines(family, model, held_batches)
+
+
+def alpha_verdict(per_example: Mapping[float, Optional[Dict[str, torch.Tensor]]], method: float,
+                  noise_z: float) -> Dict[str, Any]:
+    """The best alpha by the mean over tasks of its held-out per-example cosines (None: not finite), and whether it
+    is taken: the best against the method's alpha (or, where the method's is the best, against the runner-up),
+    paired per example; the method's is kept unless beaten by more than ``noise_z`` standard errors."""
     scores = {f"{a:g}": mean_over_tasks({t: float(v.mean()) for t, v in c.items()}) if c is not None else math.nan
               for a, c in sorted(per_example.items())}
     alphas = {f"{a:g}": a for a in per_example}
     best = alphas[best_of(scores, higher_is_better=True)]
-    # the best against the method's alpha, or (where the method's is the best) against the runner-up
-    others = {k: v for k, v in scores.items() if alphas[k] != hp.alpha and not math.isnan(v)}
-    versus = hp.alpha if best != hp.alpha else alphas[best_of(others, higher_is_better=True)] if others else None
+    others = {k: v for k, v in scores.items() if alphas[k] != method and not math.isnan(v)}
+    versus = method if best != method else alphas[best_of(others, higher_is_better=True)] if others else None
     margin = margin_se = None
-    if versus is not None:
+    if versus is not None and per_example[versus] is not None:
         margin, se = paired_difference(per_example[best], per_example[versus])
         margin_se = margin / se if se > 0 else (0.0 if margin == 0 else math.copysign(math.inf, margin))
-    kept = best != hp.alpha and not margin_se > options.noise_z  # NaN or within the noise: the method's
-    return {
-        "criterion": "drift" if site is None else "site", "method_alpha": hp.alpha, "best": best,
-        "chosen": hp.alpha if kept else best,
-        "versus": versus, "kept": kept, "margin": margin, "margin_se": margin_se,
-        "scores": scores, "split": sizes, "fit_folds": fit_folds,
-        "schedule": [{k: entry["hparams"][k] for k in ("lambda_", "rho")} for entry in report["blocks"]],
-        "calibrations": len(per_example), "seconds": time.perf_counter() - started,
-    }
+    kept = best != method and not (margin_se is not None and margin_se > noise_z)  # within the noise, NaN or unpaired
+    return {"method_alpha": method, "best": best, "chosen": method if kept else best, "versus": versus,
+            "kept": kept, "margin": margin, "margin_se": margin_se, "scores": scores}
 
 
 # ---- criteria "drift" / "agreement": a calibration per candidate ----------------------------------------------
