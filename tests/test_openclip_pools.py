@@ -358,3 +358,22 @@ def test_one_network_and_one_map_classify_alike_through_hf_clip_and_openclip():
     torch.testing.assert_close(oc_logits * mapped_unit.norm(dim=-1, keepdim=True), hf_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(oc_logits.argmax(-1), hf_logits.argmax(-1))
     assert not torch.allclose(oc_logits, hf_logits, rtol=1e-2, atol=1e-2)  # the scales do differ
+
+
+def test_the_alpha_stage_by_the_feature_site_runs_on_an_openclip_pool(tiny_pool, tmp_path):
+    """auto_select alpha_criterion site on the task-vector encoders: each alpha at or above the method's is
+    calibrated on the fit part and scored at the encoders' output (their feature site), and the per-block pass
+    runs with the chosen alpha."""
+    import json
+
+    algo = FeatCalAlgorithm(upstream=TA, num_calibration_examples=8, batch_size=4, auto_select={
+        "alpha_criterion": "site", "widen": False, "noise_z": 0.0,
+        "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.15, 0.6]}})
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1,
+                                     loggers=[L.fabric.loggers.CSVLogger(str(tmp_path))])
+    algo.run(load(tiny_pool["modelpool"]))
+    auto = json.loads(next(tmp_path.rglob("featcal_report.json")).read_text())["auto_select"]
+    stage = auto["alpha"]
+    assert stage["criterion"] == "site" and set(stage["scores"]) == {"0.3", "0.6"} and stage["calibrations"] == 2
+    assert all(0.0 < value <= 1.0 + 1e-6 for value in stage["scores"].values())
+    assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}
