@@ -362,7 +362,7 @@ def test_one_network_and_one_map_classify_alike_through_hf_clip_and_openclip():
 
 def test_the_alpha_stage_by_the_feature_site_runs_on_an_openclip_pool(tiny_pool, tmp_path):
     """auto_select alpha_criterion site on the task-vector encoders: each alpha at or above the method's is
-    calibrated on the fit part and scored at the encoders' output (their feature site), and the per-block pass
+    calibrated on the fit parts and scored at the encoders' output (their feature site), and the per-block pass
     runs with the chosen alpha."""
     import json
 
@@ -374,6 +374,7 @@ def test_the_alpha_stage_by_the_feature_site_runs_on_an_openclip_pool(tiny_pool,
     algo.run(load(tiny_pool["modelpool"]))
     auto = json.loads(next(tmp_path.rglob("featcal_report.json")).read_text())["auto_select"]
     stage = auto["alpha"]
-    assert stage["criterion"] == "site" and set(stage["scores"]) == {"0.3", "0.6"} and stage["calibrations"] == 2
+    assert stage["criterion"] == "site" and set(stage["scores"]) == {"0.3", "0.6"}
+    assert stage["folds"] == 4 and stage["calibrations"] == 8  # 8 examples per task: each quarter held out in turn
     assert all(0.0 < value <= 1.0 + 1e-6 for value in stage["scores"].values())
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}

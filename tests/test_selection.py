@@ -359,16 +359,18 @@ class _ProjectedSite:
         return F.normalize(self.projection(model(images)[1]), dim=-1)
 
 
-def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_rows_cosine():
+@pytest.mark.parametrize("batches, folds", [(4, 4), (17, 1)], ids=["16 examples: quarters in turn", "68: one quarter"])
+def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_rows_cosine(batches, folds):
     """alpha_criterion site: the fit part calibrated once per alpha at or above the method's, with the grid's
     smallest lambda and the method's rho, each scored by the mean over tasks of the per-example cosine of its
     held-out features at the family's feature site to the expert's (recomputed here with the engine and the site);
-    alphas below the method's are not tried; with noise_z 0 the best is taken."""
+    up to FEW_EXAMPLES examples per task each quarter is held out in turn, above one quarter; alphas below the
+    method's are not tried; with noise_z 0 the best is taken."""
     from dataclasses import replace
 
     from featcal_fusionbench.autoselect.search import AlphaSite, split_datasets
 
-    world = tiny_world(batches=4)
+    world = tiny_world(batches=batches)
     base, experts, merged, _ = world
     datasets = _datasets(world)
     grid = {"lambda_": [1e-3, 1.0], "rho": [2.0], "alpha": [0.15, 0.45, 0.6]}
@@ -386,22 +388,35 @@ def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_r
                             base, experts, datasets, _batches_of, torch.device("cpu"), site=AlphaSite(site))
     auto = report["auto_select"]
     stage = auto["alpha"]
-    assert auto["alpha_criterion"] == "site" and stage["criterion"] == "site" and stage["calibrations"] == 3
+    assert auto["alpha_criterion"] == "site" and stage["criterion"] == "site"
+    assert stage["folds"] == folds and stage["calibrations"] == 3 * folds
     assert set(stage["scores"]) == {"0.3", "0.45", "0.6"}
     assert stage["stage_hparams"] == {"lambda_": 1e-3, "rho": FeatCalHParams().rho}
     assert stage["best"] == max((float(k) for k in stage["scores"]), key=lambda a: stage["scores"][f"{a:g}"])
     assert stage["chosen"] == stage["best"]
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}
-    fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
+    if folds == 1:
+        fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
+        splits = [(fit, held)]
+    else:
+        parts = fold_datasets(datasets, folds, 0)[0]
+        splits = [({t: [x for j, p in enumerate(ps) if j != k for x in p] for t, ps in parts.items()},
+                   {t: ps[k] for t, ps in parts.items()}) for k in range(folds)]
     family = family_for(base)
     for alpha in (0.3, 0.45, 0.6):
-        model = copy.deepcopy(merged)
-        FeatCalEngine(family, replace(FeatCalHParams(), lambda_=1e-3, alpha=alpha), "cpu", progress=False).run(
-            model, base, experts, {t: _batches_of(fit[t]) for t in fit})
-        with torch.no_grad():
-            per_task = [float(F.cosine_similarity(torch.cat([site.features(model, b) for b in _batches_of(held[t])]),
-                                                  torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]),
-                                                  dim=-1).mean()) for t in experts]
+        cosines = {t: [] for t in experts}
+        for fit, held in splits:
+            model = copy.deepcopy(merged)
+            FeatCalEngine(family, replace(FeatCalHParams(), lambda_=1e-3, alpha=alpha), "cpu", progress=False).run(
+                model, base, experts, {t: _batches_of(fit[t]) for t in fit})
+            with torch.no_grad():
+                for t in experts:
+                    cosines[t].append(F.cosine_similarity(
+                        torch.cat([site.features(model, b) for b in _batches_of(held[t])]),
+                        torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]), dim=-1))
+        per_task = [float(torch.cat(c).mean()) for c in cosines.values()]
+        if folds > 1:  # every example held out once
+            assert all(sum(len(x) for x in c) == len(datasets[t]) for t, c in cosines.items())
         assert stage["scores"][f"{alpha:g}"] == pytest.approx(sum(per_task) / len(per_task), rel=1e-5)
     assert "the held-out feature site's cosine" in describe_choice(auto)
 

@@ -15,7 +15,8 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   method's by more than ``noise_z`` standard errors, and the pass above runs with it. ``alpha_criterion: site``:
   the same split and rule, each alpha at or above the method's scored by the cosine of its held-out features at the
   family's feature site (one row per example, ``AlphaSite``: the projected image embedding that CLIP's zero-shot
-  heads read) to the experts', each after a calibration of the fit part with fixed lambda and rho (``site_stage``).
+  heads read) to the experts', each after a calibration of the fit part with fixed lambda and rho; up to 64
+  examples per task every quarter is held out in turn (``site_stage``).
 - criteria ``drift`` / ``agreement``: each task's examples split into a fit and a held-out part; one calibration
   of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the held-out
   part's last-block outputs against the experts'. The experts' held-out outputs do not depend on the
@@ -45,6 +46,7 @@ from ..families import ModelFamily
 from ..models.residency import on_device
 from .policy import CrossFitSelection, Search
 from .options import (
+    FEW_EXAMPLES,
     PATCH_WEIGHT,
     SelectionOptions,
     all_candidates,
@@ -216,22 +218,37 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
     or above the method's, with the grid's smallest lambda and the method's rho in every block (no per-block search:
     at the least shrinkage rho hardly matters, and the per-block pass after the stage chooses both at the chosen
     alpha), each scored at the held-out feature site. Alphas below the method's are not tried: wherever the offline
-    CLIP worlds tried 0.15, it scored below 0.3 on the test labels and at the site (docs/featcal.md)."""
+    CLIP worlds tried 0.15, it scored below 0.3 on the test labels and at the site (docs/featcal.md). Up to
+    ``FEW_EXAMPLES`` examples per task one held-out quarter is too few examples for the noise rule to let the test
+    labels' alpha through (docs/featcal.md): there each quarter (``heldout_fraction``) is held out in turn, so every
+    example is scored once, at a calibration per alpha and quarter; above, one quarter is held out."""
     started = time.perf_counter()
-    fit, held, sizes = split_datasets(datasets, options, seed)
-    fit_made = {t: list(batches_of(d)) for t, d in fit.items()}
-    held_made = {t: list(batches_of(d)) for t, d in held.items()}
-    held_batches = held_made.__getitem__
-    site.hold_out(family, experts, held_batches, device)
+    if min(len(d) for d in datasets.values()) <= FEW_EXAMPLES:
+        folds = max(2, round(1.0 / options.heldout_fraction))
+        parts, sizes = fold_datasets(datasets, folds, seed)
+        splits = [({t: [p for j, p in enumerate(ps) if j != k] for t, ps in parts.items()},
+                   {t: ps[k] for t, ps in parts.items()}) for k in range(folds)]
+    else:
+        folds = 1
+        fit, held, sizes = split_datasets(datasets, options, seed)
+        splits = [({t: [d] for t, d in fit.items()}, held)]
     stage = replace(hp, lambda_=min(grid["lambda_"]))
-    per_example: Dict[float, Optional[Dict[str, torch.Tensor]]] = {}
-    for alpha in sorted(a for a in {*grid["alpha"], hp.alpha} if a >= hp.alpha):
-        per_example[alpha] = held_out_cosines(make_engine(replace(stage, alpha=alpha), family, search=True), merged,
-                                              base, experts, fit_made, site, family, held_batches)
+    alphas = sorted(a for a in {*grid["alpha"], hp.alpha} if a >= hp.alpha)
+    scored: Dict[float, List[Optional[Dict[str, torch.Tensor]]]] = {alpha: [] for alpha in alphas}
+    for fit, held in splits:
+        fit_made = {t: [b for d in ds for b in batches_of(d)] for t, ds in fit.items()}
+        held_made = {t: list(batches_of(d)) for t, d in held.items()}
+        site.hold_out(family, experts, held_made.__getitem__, device)
+        for alpha in alphas:
+            engine = make_engine(replace(stage, alpha=alpha), family, search=True)
+            scored[alpha].append(held_out_cosines(engine, merged, base, experts, fit_made, site, family,
+                                                  held_made.__getitem__))
+    per_example = {alpha: None if any(c is None for c in cs) else {t: torch.cat([c[t] for c in cs]) for t in cs[0]}
+                   for alpha, cs in scored.items()}
     return {
-        "criterion": "site", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes,
+        "criterion": "site", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes, "folds": folds,
         "stage_hparams": {"lambda_": stage.lambda_, "rho": stage.rho},
-        "calibrations": len(per_example), "seconds": time.perf_counter() - started,
+        "calibrations": folds * len(alphas), "seconds": time.perf_counter() - started,
     }
 
 
