@@ -146,6 +146,8 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
     ({"criterion": "drift", "heldout_fraction": 0.01}, 16, r"cannot be split into a fit and a held-out part .*0.01"),
     (True, 3, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # auto: four below eight examples
     ({"alpha_criterion": "drift"}, 4, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # the fit part's
+    ({"alpha_criterion": "site", "folds": 2}, 3, r"'site' holds out each of 4 parts .*: 3 example\(s\) leave a part "
+                                                 r"empty; raise num_calibration_examples to 4"),  # its quarters in turn
 ])
 def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..core.hparams import FeatCalHParams
-from ..core.sampling import check_fold_sizes
+from ..core.sampling import check_fold_sizes, check_split_sizes
 
 #: criterion -> whether a higher score is better
 CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True}
@@ -159,6 +159,22 @@ class SelectionOptions:
         if self.folds != "auto":
             return self.folds
         return 8 if 8 <= num_examples <= FEW_EXAMPLES else 4
+
+    def site_folds(self, num_examples: int) -> int:
+        """How many held-out parts alpha_criterion site scores: up to ``FEW_EXAMPLES`` examples per task each of
+        ``1 / heldout_fraction`` parts in turn (every example scored once); above, one ``heldout_fraction`` (1)."""
+        return max(2, round(1.0 / self.heldout_fraction)) if num_examples <= FEW_EXAMPLES else 1
+
+    def check_site_sizes(self, num_examples: int, tasks: Sequence[str]) -> None:
+        """Fail before any model work where alpha_criterion site's held-out parts would leave one empty."""
+        folds = self.site_folds(num_examples)
+        if folds == 1:
+            check_split_sizes(num_examples, 1, self.heldout_fraction, tasks)
+        elif num_examples < folds:
+            raise ValueError(
+                f"auto_select alpha_criterion 'site' holds out each of {folds} parts of a task's examples in turn "
+                f"(up to {FEW_EXAMPLES} per task): {num_examples} example(s) leave a part empty; raise "
+                f"num_calibration_examples to {folds} or more, or auto_select.heldout_fraction")
 
     def check_fold_sizes(self, num_examples: int, world_size: int, tasks: Sequence[str]) -> None:
         """Fail before any model work when the parts cannot give every device an example of each; where ``auto``

@@ -46,7 +46,6 @@ from ..families import ModelFamily
 from ..models.residency import on_device
 from .policy import CrossFitSelection, Search
 from .options import (
-    FEW_EXAMPLES,
     PATCH_WEIGHT,
     SelectionOptions,
     all_candidates,
@@ -223,13 +222,12 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
     labels' alpha through (docs/featcal.md): there each quarter (``heldout_fraction``) is held out in turn, so every
     example is scored once, at a calibration per alpha and quarter; above, one quarter is held out."""
     started = time.perf_counter()
-    if min(len(d) for d in datasets.values()) <= FEW_EXAMPLES:
-        folds = max(2, round(1.0 / options.heldout_fraction))
+    folds = options.site_folds(min(len(d) for d in datasets.values()))
+    if folds > 1:
         parts, sizes = fold_datasets(datasets, folds, seed)
         splits = [({t: [p for j, p in enumerate(ps) if j != k] for t, ps in parts.items()},
                    {t: ps[k] for t, ps in parts.items()}) for k in range(folds)]
     else:
-        folds = 1
         fit, held, sizes = split_datasets(datasets, options, seed)
         splits = [({t: [d] for t, d in fit.items()}, held)]
     stage = replace(hp, lambda_=min(grid["lambda_"]))

@@ -182,10 +182,12 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                 )
             if options.criterion == "objective":
                 options.check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
-                if options.alpha_criterion != "none":
+                if options.alpha_criterion == "drift":
                     check_split_sizes(hp.num_calibration_examples, 1, options.heldout_fraction, tasks)
                     fit, _ = heldout_split(hp.num_calibration_examples, options.heldout_fraction, 0, tasks[0])
                     options.check_fold_sizes(len(fit), 1, tasks)  # the alpha stage's folds of the fit part
+                elif options.alpha_criterion == "site":
+                    options.check_site_sizes(hp.num_calibration_examples, tasks)
             else:
                 check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output
