@@ -20,8 +20,8 @@ whose calibration on a fit part of each task's examples leaves the last block's 
 to the experts' (``drift``'s score), the method's alpha kept unless beaten by more than ``noise_z`` standard errors.
 ``alpha_criterion: site`` scores at the family's feature site instead (one row per example: the projected image
 embedding that CLIP's and OpenCLIP's zero-shot heads read), for those families only, the method's alpha and those
-above it, each after one calibration of the fit part at the least shrinkage (no per-block search in the stage;
-up to ``FEW_EXAMPLES`` examples per task, one per held-out quarter in turn).
+above it, each after a calibration of the fit part at the least shrinkage (no per-block search in the stage; up
+to ``FEW_EXAMPLES`` examples per task each quarter is held out in turn, a calibration per alpha and quarter).
 """
 
 from __future__ import annotations
