@@ -17,21 +17,26 @@ STRATEGY = "ddp_fork"
 TA = {"_target_": "fusion_bench.method.TaskArithmeticAlgorithm", "scaling_factor": 0.3, "inplace": False}
 
 
-def calibrate(fabric, modelpool_yaml, out_dir):
-    algo = FeatCalAlgorithm(upstream=TA, num_calibration_examples=24, batch_size=4)
+def calibrate(fabric, modelpool_yaml, out_dir, auto_select=None):
+    algo = FeatCalAlgorithm(upstream=TA, num_calibration_examples=24, batch_size=4, auto_select=auto_select)
     algo._fabric_instance = fabric
+    reports = []
+    algo.save_report = lambda name, report: reports.append(report)  # every rank's, not rank 0's alone
     model = algo.run(instantiate(OmegaConf.load(modelpool_yaml)))
-    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out_dir}/rank{fabric.global_rank}.pt")
+    rank = fabric.global_rank
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out_dir}/rank{rank}.pt")
+    if auto_select is not None:
+        torch.save(reports[-1]["auto_select"], f"{out_dir}/auto{rank}.pt")
 
 
-def assert_two_ranks_match_one(accelerator, strategy, modelpool_yaml, tmp_path):
+def assert_two_ranks_match_one(accelerator, strategy, modelpool_yaml, tmp_path, auto_select=None):
     """Calibrate on one device, then on two ranks: the ranks agree bit for bit and match the one within float
     rounding; returns the single run's and the ranks' state dicts."""
     single = tmp_path / "single"
     single.mkdir()
-    calibrate(L.Fabric(accelerator=accelerator, devices=1), modelpool_yaml, single)
+    calibrate(L.Fabric(accelerator=accelerator, devices=1), modelpool_yaml, single, auto_select)
     fabric = L.Fabric(accelerator=accelerator, devices=2, strategy=strategy)
-    fabric.launch(calibrate, modelpool_yaml, str(tmp_path))
+    fabric.launch(calibrate, modelpool_yaml, str(tmp_path), auto_select)
     reference = torch.load(single / "rank0.pt")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for key, expected in reference.items():
@@ -50,6 +55,21 @@ def test_two_gloo_ranks_match_one_process(toy_world, tmp_path):
     linear = {key for key in upstream
               if ".encoder.layers." in key and key.endswith(("proj.weight", "fc1.weight", "fc2.weight"))}
     assert len(linear) == 2 * 6 and linear <= moved, sorted(linear - moved)
+
+
+def test_two_gloo_ranks_choose_alpha_by_the_feature_site_as_one_process(toy_world, tmp_path):
+    """alpha_criterion site on two ranks: each fit part shared out and its moments all-reduced, every held-out
+    example scored on every rank; the ranks' choices, scores and models agree with each other bit for bit and
+    with one process within float rounding."""
+    auto_select = {"alpha_criterion": "site", "widen": False, "noise_z": 0.0,
+                   "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.6]}}
+    assert_two_ranks_match_one("cpu", STRATEGY, toy_world["modelpool"], tmp_path, auto_select)
+    single, ranks = torch.load(tmp_path / "single" / "auto0.pt"), [torch.load(tmp_path / f"auto{r}.pt") for r in (0, 1)]
+    stages = [{k: v for k, v in r["alpha"].items() if k != "seconds"} for r in ranks]
+    assert stages[0] == stages[1] and stages[0]["folds"] == 4 and stages[0]["calibrations"] == 8
+    assert set(single["alpha"]["scores"]) == {"0.3", "0.6"} and ranks[0]["alpha"]["chosen"] == single["alpha"]["chosen"]
+    for alpha, score in single["alpha"]["scores"].items():
+        assert ranks[0]["alpha"]["scores"][alpha] == pytest.approx(score, rel=1e-5)
 
 
 def calibrate_out_of_core(fabric, pool, out_dir):

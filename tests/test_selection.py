@@ -147,7 +147,8 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
     (True, 3, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # auto: four below eight examples
     ({"alpha_criterion": "drift"}, 4, r"3 calibration example\(s\) in 4 folds leave a fold of 0"),  # the fit part's
     ({"alpha_criterion": "site", "folds": 2}, 3, r"'site' holds out each of 4 parts .*: 3 example\(s\) leave a part "
-                                                 r"empty; raise num_calibration_examples to 4"),  # its quarters in turn
+                                                 r"of 0, fewer than one per device \(1\); raise num_calibration_examples "
+                                                 r"to 4"),  # its quarters in turn
 ])
 def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()
@@ -456,11 +457,17 @@ def test_the_alpha_stage_keeps_the_methods_alpha_unless_beaten_by_more_than_the_
 
 
 def test_the_alpha_stage_is_refused_on_several_devices_before_any_model_is_read(toy_world):
+    """drift's stage on several devices, and site's where a fit part would leave a device without examples."""
     from types import SimpleNamespace
 
     algorithm = FeatCalAlgorithm(auto_select={"alpha_criterion": "drift"})
     algorithm._fabric_instance = SimpleNamespace(world_size=2, _loggers=None)
     with pytest.raises(ValueError, match="alpha_criterion 'drift' runs on one device only"):
+        algorithm._check(load_pool(toy_world), ["toy_0"])
+    algorithm = FeatCalAlgorithm(auto_select={"alpha_criterion": "site", "folds": 2}, num_calibration_examples=6)
+    algorithm._fabric_instance = SimpleNamespace(world_size=2, _loggers=None)
+    with pytest.raises(ValueError, match=r"'site' holds out each of 4 parts .*: 6 example\(s\) leave a part of 1, "
+                                         r"fewer than one per device \(2\); raise num_calibration_examples to 8"):
         algorithm._check(load_pool(toy_world), ["toy_0"])
 
 

@@ -165,16 +165,18 @@ class SelectionOptions:
         ``1 / heldout_fraction`` parts in turn (every example scored once); above, one ``heldout_fraction`` (1)."""
         return max(2, round(1.0 / self.heldout_fraction)) if num_examples <= FEW_EXAMPLES else 1
 
-    def check_site_sizes(self, num_examples: int, tasks: Sequence[str]) -> None:
-        """Fail before any model work where alpha_criterion site's held-out parts would leave one empty."""
+    def check_site_sizes(self, num_examples: int, world_size: int, tasks: Sequence[str]) -> None:
+        """Fail before any model work where alpha_criterion site's held-out parts would leave one empty, or a fit
+        part a device without examples."""
         folds = self.site_folds(num_examples)
         if folds == 1:
-            check_split_sizes(num_examples, 1, self.heldout_fraction, tasks)
-        elif num_examples < folds:
+            check_split_sizes(num_examples, world_size, self.heldout_fraction, tasks)
+        elif num_examples // folds < max(world_size, 1):  # fold_of's parts differ in size by one at most
             raise ValueError(
                 f"auto_select alpha_criterion 'site' holds out each of {folds} parts of a task's examples in turn "
-                f"(up to {FEW_EXAMPLES} per task): {num_examples} example(s) leave a part empty; raise "
-                f"num_calibration_examples to {folds} or more, or auto_select.heldout_fraction")
+                f"(up to {FEW_EXAMPLES} per task): {num_examples} example(s) leave a part of {num_examples // folds}, "
+                f"fewer than one per device ({world_size}); raise num_calibration_examples to "
+                f"{folds * max(world_size, 1)} or more, or auto_select.heldout_fraction")
 
     def check_fold_sizes(self, num_examples: int, world_size: int, tasks: Sequence[str]) -> None:
         """Fail before any model work when the parts cannot give every device an example of each; where ``auto``

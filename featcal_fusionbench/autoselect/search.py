@@ -172,7 +172,7 @@ def alpha_site(family: ModelFamily, modelpool, base: nn.Module) -> AlphaSite:
 
 
 def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
-                 datasets, batches_of, device, seed, site: Optional[AlphaSite] = None) -> Dict[str, Any]:
+                 datasets, batches_of, device, seed, site: Optional[AlphaSite] = None, shard=(0, 1)) -> Dict[str, Any]:
     """The alpha stage's report (``chosen`` among it). The per-block objective cannot rank alpha (it scores against
     the experts' own features and favours the largest), so alpha is scored where its effect shows: at the end of the
     model, after every block has calibrated on inputs that earlier blocks' alpha shaped. ``drift``: lambda and rho
@@ -180,7 +180,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     serves every other alpha, one calibration each. ``site``: ``site_stage``."""
     if site is not None:
         return site_stage(make_engine, family, options, hp, grid, merged, base, experts, datasets, batches_of,
-                          device, seed, site)
+                          device, seed, site, shard)
     started = time.perf_counter()
     fit, held, sizes = split_datasets(datasets, options, seed)
     fit_folds = options.folds_for(min(len(d) for d in fit.values()))
@@ -212,7 +212,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
 
 
 def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
-               datasets, batches_of, device, seed, site: AlphaSite) -> Dict[str, Any]:
+               datasets, batches_of, device, seed, site: AlphaSite, shard=(0, 1)) -> Dict[str, Any]:
     """``alpha_criterion: site``'s stage: the merged model calibrated on the fit part once per alpha of the grid at
     or above the method's, with the grid's smallest lambda and the method's rho in every block (no per-block search:
     at the least shrinkage rho hardly matters, and the per-block pass after the stage chooses both at the chosen
@@ -220,15 +220,22 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
     CLIP worlds tried 0.15, it scored below 0.3 on the test labels and at the site (docs/featcal.md). Up to
     ``FEW_EXAMPLES`` examples per task one held-out quarter is too few examples for the noise rule to let the test
     labels' alpha through (docs/featcal.md): there each quarter (``heldout_fraction``) is held out in turn, so every
-    example is scored once, at a calibration per alpha and quarter; above, one quarter is held out."""
+    example is scored once, at a calibration per alpha and quarter; above, one quarter is held out. ``shard``: (rank,
+    world size); with several devices each fit part is shared out and the engine all-reduces the moments, as in the
+    per-block pass, so every rank solves the same systems, and every rank scores every held-out example (a forward
+    pass each): the ranks choose alike without a collective of their own."""
     started = time.perf_counter()
+    rank, world_size = shard
     folds = options.site_folds(min(len(d) for d in datasets.values()))
     if folds > 1:
-        parts, sizes = fold_datasets(datasets, folds, seed)
-        splits = [({t: [p for j, p in enumerate(ps) if j != k] for t, ps in parts.items()},
-                   {t: ps[k] for t, ps in parts.items()}) for k in range(folds)]
+        held_parts, sizes = fold_datasets(datasets, folds, seed)
+        fit_parts = fold_datasets(datasets, folds, seed, shard)[0] if world_size > 1 else held_parts
+        splits = [({t: [p for j, p in enumerate(ps) if j != k] for t, ps in fit_parts.items()},
+                   {t: ps[k] for t, ps in held_parts.items()}) for k in range(folds)]
     else:
         fit, held, sizes = split_datasets(datasets, options, seed)
+        if world_size > 1:
+            fit = {t: subset(d, range(rank, len(d), world_size)) for t, d in fit.items()}
         splits = [({t: [d] for t, d in fit.items()}, held)]
     stage = replace(hp, lambda_=min(grid["lambda_"]))
     alphas = sorted(a for a in {*grid["alpha"], hp.alpha} if a >= hp.alpha)
@@ -401,7 +408,8 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             if options.alpha_criterion == "site" and site is None:
                 raise ValueError("auto_select alpha_criterion 'site' needs the family's feature site (alpha_site)")
             alpha_stage = choose_alpha(make_engine, family, options, hp, grid, merged, base, experts, datasets,
-                                       batches_of, device, seed, site if options.alpha_criterion == "site" else None)
+                                       batches_of, device, seed, site if options.alpha_criterion == "site" else None,
+                                       shard)
             hp = replace(hp, alpha=alpha_stage["chosen"])
         parts, sizes = fold_datasets(datasets, folds, seed, shard)
         searched = {**grid, "alpha": (hp.alpha,)} if alpha_stage is not None else grid

@@ -175,10 +175,11 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                     "use criterion objective (its moments are all-reduced) on several"
                 )
             options = self.selection_options
-            if world_size > 1 and options.alpha_criterion != "none":
+            if world_size > 1 and options.alpha_criterion == "drift":
                 raise ValueError(
                     f"auto_select alpha_criterion {options.alpha_criterion!r} runs on one device only (its held-out "
-                    "scores are not all-reduced); set auto_select.alpha_criterion=none, or fix method.alpha, on several"
+                    "scores are not all-reduced); set auto_select.alpha_criterion=none (or site, for CLIP and "
+                    "OpenCLIP), or fix method.alpha, on several"
                 )
             if options.criterion == "objective":
                 options.check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
@@ -187,7 +188,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                     fit, _ = heldout_split(hp.num_calibration_examples, options.heldout_fraction, 0, tasks[0])
                     options.check_fold_sizes(len(fit), 1, tasks)  # the alpha stage's folds of the fit part
                 elif options.alpha_criterion == "site":
-                    options.check_site_sizes(hp.num_calibration_examples, tasks)
+                    options.check_site_sizes(hp.num_calibration_examples, world_size, tasks)
             else:
                 check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output
