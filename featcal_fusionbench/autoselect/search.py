@@ -238,7 +238,7 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
             fit = {t: subset(d, range(rank, len(d), world_size)) for t, d in fit.items()}
         splits = [({t: [d] for t, d in fit.items()}, held)]
     stage = replace(hp, lambda_=min(grid["lambda_"]))
-    alphas = sorted(a for a in {*grid["alpha"], hp.alpha} if a >= hp.alpha)
+    alphas = [a for a in grid["alpha"] if a >= hp.alpha]  # grid_for sorts it, the method's alpha among it
     scored: Dict[float, List[Optional[Dict[str, torch.Tensor]]]] = {alpha: [] for alpha in alphas}
     for fit, held in splits:
         fit_made = {t: [b for d in ds for b in batches_of(d)] for t, ds in fit.items()}
