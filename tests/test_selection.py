@@ -267,6 +267,7 @@ def test_the_objective_cross_fits_one_calibration_and_reports_each_blocks_choice
     ], "the final calibration runs the chosen schedule"
     assert auto["cost_multiple"] > 0 and auto["search_seconds"] > 0
     assert "in block" in describe_choice(auto) and "standard errors behind" in describe_choice(auto)
+    assert "not searched" not in describe_choice(auto), "a grid of alphas was searched"
 
 
 def test_the_methods_values_are_kept_unless_the_evidence_beats_them_by_more_than_its_noise():
@@ -278,6 +279,7 @@ def test_the_methods_values_are_kept_unless_the_evidence_beats_them_by_more_than
     assert set(auto["choice"]["per_block"]) == {"lambda_=0.05,rho=2,alpha=0.3"}
     assert all(b["kept"] == "method" for b in auto["blocks"])
     assert "the method's values kept within the noise in block(s) 0-2" in describe_choice(auto)
+    assert "alpha the method's, not searched" in describe_choice(auto)
     _, report = _search(tiny_world(batches=4), "objective", noise_z=0.0, grid=grid)
     assert "lambda_=0.05,rho=2,alpha=0.3" not in report["auto_select"]["choice"]["per_block"]
 

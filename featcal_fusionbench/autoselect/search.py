@@ -475,6 +475,10 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
     parts = [shown]
     if "alpha" in auto:
         parts.append(_alpha_line(auto["alpha"]))
+    elif auto.get("alpha_criterion") == "none" and len(auto.get("grid", {}).get("alpha", ())) <= 1:
+        # the per-block objective cannot rank alpha (it scores against the experts' own features), so a line that
+        # names alpha beside the chosen values must not read as if alpha had been chosen too
+        parts.append("alpha the method's, not searched (auto_select.alpha_criterion none)")
     if z:
         unclear = sum(1 for v in z if v < auto.get("noise_z", 2.0))
         parts.append(f"runner-up {min(z):.1f}-{max(z):.1f} standard errors behind"
