@@ -378,3 +378,22 @@ def test_the_alpha_stage_by_the_feature_site_runs_on_an_openclip_pool(tiny_pool,
     assert stage["folds"] == 4 and stage["calibrations"] == 8  # 8 examples per task: each quarter held out in turn
     assert all(0.0 < value <= 1.0 + 1e-6 for value in stage["scores"].values())
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={stage['chosen']:g}"}
+
+
+def test_criterion_site_runs_on_an_openclip_pool(tiny_pool, tmp_path):
+    """auto_select criterion site on the task-vector encoders: every (lambda, alpha) point calibrated on the fit
+    part, scored at the encoders' output, and the best calibrated on every example."""
+    import json
+
+    algo = FeatCalAlgorithm(upstream=TA, num_calibration_examples=8, batch_size=4, auto_select={
+        "criterion": "site", "search": "grid", "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+    algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1,
+                                     loggers=[L.fabric.loggers.CSVLogger(str(tmp_path))])
+    algo.run(load(tiny_pool["modelpool"]))
+    auto = json.loads(next(tmp_path.rglob("featcal_report.json")).read_text())["auto_select"]
+    assert auto["criterion_used"] == "site" and auto["calibrations"] == 4 and auto["split"]
+    assert all(0.0 < c["score"] <= 1.0 + 1e-6 for c in auto["candidates"].values())
+    from featcal_fusionbench.autoselect.options import candidate_key
+
+    best = max(auto["candidates"], key=lambda k: auto["candidates"][k]["score"])
+    assert candidate_key(auto["choice"]["global"]) == best and auto["choice"]["global"]["rho"] == 2.0

@@ -259,6 +259,7 @@ def test_a_nan_in_one_checkpoint_is_named_by_the_model_that_holds_it(upstream, h
      "the upstream fusion_bench.method.SimpleAverageAlgorithm would build it whole"),
     ({"upstream": {**TA_BACKBONE, "model_save_path": "somewhere"}}, "set upstream.model_save_path=null"),
     ({"upstream": TA_BACKBONE, "auto_select": {"criterion": "drift"}}, "out of core, use criterion objective"),
+    ({"upstream": TA_BACKBONE, "auto_select": {"criterion": "site"}}, "'site' calibrates a copy .* use criterion objective"),
     ({"upstream": TA_BACKBONE, "auto_select": {"alpha_criterion": "drift"}},
      "out of core, set auto_select.alpha_criterion=none"),
 ])

@@ -18,7 +18,7 @@ from featcal_fusionbench.families import LayerNormSite, LinearSite, family_for
 from featcal_fusionbench.core.hparams import FeatCalHParams
 from featcal_fusionbench.core.moments import LinearInputMoments, NormInputMoments, layer_norm_without_affine
 from featcal_fusionbench.core.objective import HeldoutObjective
-from featcal_fusionbench.autoselect.options import SelectionOptions
+from featcal_fusionbench.autoselect.options import PATCH_WEIGHT, SelectionOptions, candidate_key, with_candidate
 from featcal_fusionbench.core.sampling import fold_of, heldout_split
 
 from helpers import tiny_causal_lm_world, tiny_world
@@ -430,12 +430,12 @@ def test_the_alpha_stage_by_the_feature_site_needs_one_row_per_example_and_a_poo
     from featcal_fusionbench.autoselect.search import alpha_site
 
     base, _experts, _merged, _data = tiny_causal_lm_world("llama")
-    with pytest.raises(ValueError, match="'site' compares one feature row per example .* causal_lm family's site has "
-                                         "one row per token"):
+    with pytest.raises(ValueError, match="'site' \\(criterion or alpha_criterion\\) compares one feature row per "
+                                         "example .* causal_lm family's site has one row per token"):
         alpha_site(family_for(base), None, base)
     clip = tiny_world()[0]
-    with pytest.raises(ValueError, match="alpha_criterion 'site' reads the family's feature site: .*need a "
-                                         "CLIPVisionModelPool"):
+    with pytest.raises(ValueError, match="'site' \\(criterion or alpha_criterion\\) reads the family's feature site: "
+                                         ".*need a CLIPVisionModelPool"):
         alpha_site(family_for(clip), None, clip)
 
 
@@ -445,6 +445,75 @@ def test_the_alpha_stage_by_the_feature_site_runs_in_the_method_on_a_clip_pool(t
     auto = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
     assert auto["alpha"]["criterion"] == "site" and set(auto["alpha"]["scores"]) == {"0.3", "0.6"}
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={auto['alpha']['chosen']:g}"}
+
+
+def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_calibrates_the_best(caplog):
+    """criterion site: a copy of the merged model calibrated on the fit part per (lambda, alpha) of its grid (by
+    default SITE_LAMBDAS x the method's alpha and the candidates above it, at the method's rho), each scored by the
+    mean over tasks of its held-out rows' cosine to the expert's (recomputed here with the engine and the site); the
+    best point is then calibrated on every example, bit for bit an ordinary calibration with those values."""
+    from dataclasses import replace
+
+    from featcal_fusionbench.autoselect.options import SITE_LAMBDAS
+    from featcal_fusionbench.autoselect.search import AlphaSite, split_datasets
+
+    world = tiny_world(batches=4)
+    base, experts, merged, _ = world
+    datasets = _datasets(world)
+    options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0})
+    hp = FeatCalHParams()
+    assert options.grid_for({}, hp) == {"lambda_": SITE_LAMBDAS, "rho": (hp.rho,), "alpha": (0.3, 0.45, 0.6)}
+    options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0,
+                                      "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+
+    def make_engine(hparams, family, search=False, **kwargs):
+        return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
+
+    with pytest.raises(ValueError, match="criterion 'site' needs the family's feature site"):
+        auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base, experts,
+                       datasets, _batches_of, torch.device("cpu"))
+    site = _ProjectedSite()
+    model = copy.deepcopy(merged)
+    hp = replace(hp, num_calibration_examples=16)  # the tiny world's: below where the criterion was measured to hold
+    with caplog.at_level("WARNING", logger="featcal_fusionbench.autoselect.search"):
+        auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, model, base, experts, datasets,
+                              _batches_of, torch.device("cpu"), site=AlphaSite(site))["auto_select"]
+    assert "criterion site with 16 calibration examples per task: below 32" in caplog.text
+    assert auto["criterion_used"] == "site" and auto["calibrations"] == 4
+    fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
+    family = family_for(base)
+    expected = {}
+    for lam in (1e-3, 1.0):
+        for alpha in (0.3, 0.6):
+            scratch = copy.deepcopy(merged)
+            FeatCalEngine(family, replace(hp, lambda_=lam, alpha=alpha), "cpu", progress=False).run(
+                scratch, base, experts, {t: _batches_of(fit[t]) for t in fit})
+            with torch.no_grad():
+                per_task = [float(F.cosine_similarity(
+                    torch.cat([site.features(scratch, b) for b in _batches_of(held[t])]),
+                    torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]), dim=-1).mean())
+                    for t in experts]
+            key = candidate_key({"lambda_": lam, "rho": hp.rho, "alpha": alpha, PATCH_WEIGHT: 1.0})  # the family's
+            expected[key] = sum(per_task) / len(per_task)
+            assert auto["candidates"][key]["score"] == pytest.approx(expected[key], rel=1e-5)
+    assert set(auto["candidates"]) == set(expected)
+    assert candidate_key(auto["choice"]["global"]) == max(expected, key=expected.get)
+    plain = copy.deepcopy(merged)
+    FeatCalEngine(family, with_candidate(hp, auto["choice"]["global"]), "cpu", progress=False).run(
+        plain, base, experts, {t: _batches_of(d) for t, d in datasets.items()})
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_criterion_site_runs_in_the_method_on_a_clip_pool(toy_world, tmp_path):
+    make(tmp_path, auto_select={"criterion": "site", "search": "grid",
+                                "grid": {"lambda_": [1e-3], "alpha": [0.3, 0.6]}}).run(load_pool(toy_world))
+    auto = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
+    assert auto["criterion_used"] == "site" and {key.rsplit(",", 1)[0] for key in auto["candidates"]} == {
+        "lambda_=0.001,rho=2,alpha=0.3", "lambda_=0.001,rho=2,alpha=0.6"}, "the method's patch weight alone"
+    assert auto["choice"]["global"]["alpha"] in (0.3, 0.6)
+    line = describe_choice(auto)
+    assert line.startswith("chose lambda 0.001, rho 2, alpha ") and "(site " in line and "runner-up lambda 0.001" in line
 
 
 def test_the_alpha_stage_keeps_the_methods_alpha_unless_beaten_by_more_than_the_noise():
@@ -626,7 +695,7 @@ class Unlabeled:
         return LabelTrap(self.dataset[index])
 
 
-@pytest.mark.parametrize("criterion", ["objective", "drift"])
+@pytest.mark.parametrize("criterion", ["objective", "drift", "site"])
 def test_the_selection_never_reads_a_label_and_reports_its_choice(toy_world, tmp_path, criterion):
     pool = load_pool(toy_world)
     load = pool.load_train_dataset
@@ -661,6 +730,7 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     with initialize_config_dir(config_dir=list(fusion_bench_config.__path__)[0], version_base=None):
         auto = compose("fabric_model_fusion", overrides=["method=featcal/auto_clip_ta"]).method
         t5 = compose("fabric_model_fusion", overrides=["method=featcal/auto_flan_t5_ta"]).method
+        site = compose("fabric_model_fusion", overrides=["method=featcal/auto_clip_site"]).method
         paper_t5 = compose("fabric_model_fusion", overrides=["method=featcal/flan_t5_ta"]).method
         runs = [compose("fabric_model_fusion", overrides=["method=featcal", f"method.lambda_={v}"]).method for v in values]
     GlobalHydra.instance().clear()
@@ -670,6 +740,10 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     assert SelectionOptions.parse(OmegaConf.to_container(t5.auto_select)) == options
     assert {k: v for k, v in t5.items() if k != "auto_select"} == {k: v for k, v in paper_t5.items() if k != "auto_select"}
     assert [r.lambda_ for r in runs] == [0.01, 0.05] and all(r.auto_select is False for r in runs)
+    # the site one: the paper's CLIP values, one (lambda, alpha) by the feature site over every point of its grid
+    site_options = SelectionOptions.parse(OmegaConf.to_container(site.auto_select))
+    assert site_options.criterion == "site" and site_options.search == "grid" and not site_options.grid
+    assert {k: v for k, v in site.items() if k != "auto_select"} == {k: v for k, v in auto.items() if k != "auto_select"}
 
 
 def test_solutions_over_rho_equal_a_solve_at_each_rho():

@@ -98,7 +98,7 @@ class Lab:
         started = time.perf_counter()
         if auto_select is not None:
             options = SelectionOptions.parse(auto_select)
-            site = alpha_site(family, self.modelpool, base) if options.alpha_criterion == "site" else None
+            site = alpha_site(family, self.modelpool, base) if options.reads_site else None
             report = auto_calibrate(make_engine, lambda extra: family_for(base, {**algorithm.family_options, **extra}),
                                     options, hp, model, base, experts, datasets, batches_of, self.fabric.device,
                                     site=site)

@@ -2,7 +2,7 @@
 data. No module, hook or device here: ``policy`` and ``search`` do the model plumbing, ``core`` holds the math (the
 held-out objective, the meters, the folds).
 
-Three criteria score a candidate on calibration examples that its solve did not see (no label is read):
+Four criteria score a candidate on calibration examples that its solve did not see (no label is read):
 
 - ``objective`` (lower is better): the per-block quadratic objective that the closed form minimises, with the
   expert's own features as the target (alpha = 1) and no ridge term, so that candidates with different rho and
@@ -14,6 +14,11 @@ Three criteria score a candidate on calibration examples that its solve did not 
 - ``agreement`` (higher is better): how often the calibrated model's prediction (argmax of the family's head) equals
   the task expert's on held-out tokens; families without a head (CLIP vision towers: the zero-shot head lives in the
   task pool) fall back to ``drift`` and the report says so.
+- ``site`` (higher is better; image families): the mean cosine of the calibrated model's held-out features at the
+  family's feature site (the projected image embedding that CLIP's and OpenCLIP's zero-shot heads read) to the task
+  expert's, one (lambda, alpha) for the model: by default ``SITE_LAMBDAS`` x the method's alpha and those of
+  ``ALPHA_CANDIDATES`` above it, at the method's rho. The alpha the site prefers follows the lambda it is scored at
+  (docs/featcal.md), so the two are chosen together, and the final calibration runs that point in every block.
 
 ``alpha_criterion: drift`` chooses alpha for ``objective`` (which cannot): one alpha for the whole model, the one
 whose calibration on a fit part of each task's examples leaves the last block's output on the held-out part closest
@@ -35,7 +40,7 @@ from ..core.hparams import FeatCalHParams
 from ..core.sampling import check_fold_sizes, check_split_sizes
 
 #: criterion -> whether a higher score is better
-CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True}
+CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True, "site": True}
 #: how criterion objective's alpha is chosen: ``none`` keeps the method's (or searches ``grid.alpha`` per block on
 #: the objective, which favours the largest); ``drift``: one alpha for the model, by held-out end-of-model drift;
 #: ``site``: the same, by the held-out cosine at the family's feature site (image families)
@@ -65,6 +70,12 @@ FEW_EXAMPLES = 64
 #: criterion objective's lambdas: five decades, widened a decade at a time past a winning edge (down to the moments'
 #: rounding, up to 1e4), so its reach is the whole range at the cost of the values that win or border a winner
 OBJECTIVE_LAMBDAS: Tuple[float, ...] = tuple(10.0**k for k in range(-6, -1))  # 1e-6 .. 1e-2
+#: criterion site's lambdas: the least shrinkage the per-block objective mostly takes on the CLIP worlds and two
+#: decades above it, the pair at which the site's alpha probes were read (docs/featcal.md)
+SITE_LAMBDAS: Tuple[float, ...] = (1e-6, 1e-4)
+#: the fewest calibration examples per task at which criterion site was measured to beat criterion objective; at 8
+#: (two per task held out) it fell below it on three builds of five (docs/featcal.md), and the run says so
+SITE_FEWEST_MEASURED = 32
 
 
 @dataclass(frozen=True)
@@ -191,24 +202,37 @@ class SelectionOptions:
                              f"task; auto_select.folds=4 makes them twice the size)") from None
 
     @property
+    def reads_site(self) -> bool:
+        """Whether the search scores at the family's feature site (criterion or alpha_criterion ``site``), which is
+        then built from the pool before the merge (``search.alpha_site``)."""
+        return "site" in (self.criterion, self.alpha_criterion)
+
+    @property
     def higher_is_better(self) -> bool:
         return CRITERIA[self.criterion]
 
     def grid_for(self, family_options: Mapping[str, Any], hparams: FeatCalHParams) -> Dict[str, Tuple[float, ...]]:
         """The grid actually searched: defaults, replaced by ``grid``. Criterion ``objective`` scores against the
         expert's features (alpha = 1), so it would favour the largest alpha: by default it keeps the method's alpha
-        (and the patch weight, which changes the moments) and searches lambda and rho. The patch weight is searched
-        only for a family with that option (else it must not be given)."""
+        (and the patch weight, which changes the moments) and searches lambda and rho. Criterion ``site``: by default
+        ``SITE_LAMBDAS`` x the method's alpha and the ``ALPHA_CANDIDATES`` above it, at the method's rho and patch
+        weight. The patch weight is searched only for a family with that option (else it must not be given)."""
         objective = self.criterion == "objective"
-        grid = {k: self.grid.get(k, DEFAULT_GRID[k]) for k in ("lambda_", "rho")}
-        if objective and "lambda_" not in self.grid:
-            grid["lambda_"] = OBJECTIVE_LAMBDAS
-        if objective and self.alpha_criterion != "none":  # the alpha stage's candidates, the method's among them
-            grid["alpha"] = tuple(sorted({*self.grid.get("alpha", ALPHA_CANDIDATES), hparams.alpha}))
+        if self.criterion == "site":  # one point for the model; its defaults are the probes' (docs/featcal.md)
+            above = {a for a in ALPHA_CANDIDATES if a > hparams.alpha}
+            grid = {"lambda_": self.grid.get("lambda_", SITE_LAMBDAS), "rho": self.grid.get("rho", (hparams.rho,)),
+                    "alpha": self.grid.get("alpha", tuple(sorted({hparams.alpha, *above})))}
         else:
-            grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])
+            grid = {k: self.grid.get(k, DEFAULT_GRID[k]) for k in ("lambda_", "rho")}
+            if objective and "lambda_" not in self.grid:
+                grid["lambda_"] = OBJECTIVE_LAMBDAS
+            if objective and self.alpha_criterion != "none":  # the alpha stage's candidates, the method's among them
+                grid["alpha"] = tuple(sorted({*self.grid.get("alpha", ALPHA_CANDIDATES), hparams.alpha}))
+            else:
+                grid["alpha"] = self.grid.get("alpha", (hparams.alpha,) if objective else DEFAULT_GRID["alpha"])
         if PATCH_WEIGHT in family_options:
-            default = (float(family_options[PATCH_WEIGHT]),) if objective else DEFAULT_GRID[PATCH_WEIGHT]
+            own = objective or self.criterion == "site"
+            default = (float(family_options[PATCH_WEIGHT]),) if own else DEFAULT_GRID[PATCH_WEIGHT]
             grid[PATCH_WEIGHT] = self.grid.get(PATCH_WEIGHT, default)
         elif PATCH_WEIGHT in self.grid:
             raise ValueError(f"auto_select.grid.{PATCH_WEIGHT} is given but the model's family has no such option")

@@ -17,9 +17,10 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   family's feature site (one row per example, ``AlphaSite``: the projected image embedding that CLIP's zero-shot
   heads read) to the experts', each after a calibration of the fit part with fixed lambda and rho; up to 64
   examples per task every quarter is held out in turn (``site_stage``).
-- criteria ``drift`` / ``agreement``: each task's examples split into a fit and a held-out part; one calibration
-  of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the held-out
-  part's last-block outputs against the experts'. The experts' held-out outputs do not depend on the
+- criteria ``drift`` / ``agreement`` / ``site``: each task's examples split into a fit and a held-out part; one
+  calibration of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the
+  held-out part's last-block outputs against the experts' (``site``: its rows at the family's feature site, as
+  ``alpha_criterion: site`` scores them, one lambda and alpha for the model). The experts' held-out outputs do not depend on the
   hyperparameters and are computed once. Then the final calibration runs on ALL calibration examples with the
   chosen values. They hold the merged model whole (a copy per candidate).
 """
@@ -47,6 +48,7 @@ from ..models.residency import on_device
 from .policy import CrossFitSelection, Search
 from .options import (
     PATCH_WEIGHT,
+    SITE_FEWEST_MEASURED,
     SelectionOptions,
     all_candidates,
     best_of,
@@ -128,8 +130,11 @@ def calibrate_per_block(make_engine: EngineFactory, family, hp, options, grid, m
 
 class AlphaSite:
     """The experts' held-out features at the family's feature site (``FeatureSite``, one row per example: CLIP's and
-    OpenCLIP's projected image embedding, what the task's zero-shot head reads), for ``alpha_criterion: site``. The
-    site is built from the pool before the merge (``alpha_site``), the experts' rows once for every alpha."""
+    OpenCLIP's projected image embedding, what the task's zero-shot head reads), for ``alpha_criterion: site`` and
+    criterion ``site``. The site is built from the pool before the merge (``alpha_site``), the experts' rows once for
+    every candidate."""
+
+    criterion = "site"
 
     def __init__(self, site):
         self.site = site
@@ -155,18 +160,24 @@ class AlphaSite:
                     self.features(family, model, held_batches(task), self.device), reference, dim=-1)
                 for task, reference in self.rows.items()}
 
+    def score(self, family, model, held_batches) -> Dict[str, float]:
+        """Per task, the mean held-out cosine (``HeldoutReference.score``'s signature, for criterion ``site``)."""
+        return {task: float(c.mean()) for task, c in self.example_cosines(family, model, held_batches).items()}
+
 
 def alpha_site(family: ModelFamily, modelpool, base: nn.Module) -> AlphaSite:
-    """``alpha_criterion: site``'s feature site, or a ValueError naming why this model has none (before the merge)."""
+    """The feature site of criterion or ``alpha_criterion`` ``site``, or a ValueError naming why this model has none
+    (before the merge)."""
     try:
         site = family.feature_site(modelpool, base)
     except TypeError as error:
-        raise ValueError(f"auto_select alpha_criterion 'site' reads the family's feature site: {error}") from None
+        raise ValueError(f"auto_select 'site' (criterion or alpha_criterion) reads the family's feature site: "
+                         f"{error}") from None
     if not site.one_row_per_example:
         raise ValueError(
-            f"auto_select alpha_criterion 'site' compares one feature row per example (the image families: CLIP, "
-            f"OpenCLIP); the {family.name} family's site has one row per token. Use alpha_criterion=none (or drift; "
-            f"not on T5, where held-out drift ranks alpha in reverse)"
+            f"auto_select 'site' (criterion or alpha_criterion) compares one feature row per example (the image "
+            f"families: CLIP, OpenCLIP); the {family.name} family's site has one row per token. Use criterion "
+            f"objective with alpha_criterion=none (or drift; not on T5, where held-out drift ranks alpha in reverse)"
         )
     return AlphaSite(site)
 
@@ -358,9 +369,13 @@ class HeldoutReference:
 
 
 def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOptions, hp, grid, merged, base, experts,
-                   fit_batches, held_batches, device):
-    """The chosen (hparams, family options) after a calibration per candidate, and the search's report."""
-    reference = HeldoutReference(family_with({}), experts, held_batches, device, options.criterion)
+                   fit_batches, held_batches, device, site: Optional[AlphaSite] = None):
+    """The chosen (hparams, family options) after a calibration per candidate, and the search's report. ``site``:
+    criterion ``site``'s feature site (``alpha_site``)."""
+    if options.criterion == "site":
+        reference = site.hold_out(family_with({}), experts, held_batches, device)
+    else:
+        reference = HeldoutReference(family_with({}), experts, held_batches, device, options.criterion)
     start = {"lambda_": hp.lambda_, "rho": hp.rho, "alpha": hp.alpha}
     if PATCH_WEIGHT in grid:
         start[PATCH_WEIGHT] = family_with({}).option_values[PATCH_WEIGHT]
@@ -419,11 +434,17 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             search["search_seconds"] += alpha_stage["seconds"]
             search["calibrations"] += alpha_stage["calibrations"]
     else:
+        if options.criterion == "site" and site is None:
+            raise ValueError("auto_select criterion 'site' needs the family's feature site (alpha_site)")
+        if options.criterion == "site" and hp.num_calibration_examples < SITE_FEWEST_MEASURED:
+            log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
+                        "measured less accurate than criterion objective (featcal/auto_clip_ta) on three builds of "
+                        "five (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
         fit, held, sizes = split_datasets(datasets, options, seed)
         started = time.perf_counter()
         best, search = select_by_runs(
             make_engine, family_with, options, hp, grid, merged, base, experts,
-            lambda: {t: batches_of(d) for t, d in fit.items()}, lambda t: batches_of(held[t]), device,
+            lambda: {t: batches_of(d) for t, d in fit.items()}, lambda t: batches_of(held[t]), device, site,
         )
         search_seconds = time.perf_counter() - started
         chosen_family = family_with({PATCH_WEIGHT: best[PATCH_WEIGHT]} if PATCH_WEIGHT in best else {})
@@ -459,7 +480,15 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
     """One line: the values chosen (per span of blocks), how clear each block's choice was, and where a choice sat
     at a grid's edge or kept the method's values."""
     if "global" in auto["choice"]:
-        return "chose " + ", ".join(f"{k.rstrip('_')} {v:g}" for k, v in auto["choice"]["global"].items())
+        line = "chose " + ", ".join(f"{k.rstrip('_')} {v:g}" for k, v in auto["choice"]["global"].items())
+        scores = {k: c["score"] for k, c in auto.get("candidates", {}).items() if math.isfinite(c["score"])}
+        chosen = candidate_key(auto["choice"]["global"])
+        others = {k: v for k, v in scores.items() if k != chosen}
+        if chosen in scores and others:  # every criterion of this path is higher-is-better
+            runner = max(others, key=others.get)
+            line += (f" ({auto.get('criterion_used', auto['criterion'])} {scores[chosen]:.4f}; runner-up "
+                     f"{_values(runner)} {scores[chosen] - scores[runner]:.4f} behind)")
+        return line
     blocks = auto["blocks"]
     if not blocks:
         return "no block to choose for"

@@ -68,7 +68,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
     true or a mapping of ``autoselect.options.SelectionOptions``): choose them without labels on calibration examples
     each candidate's solve did not see (criterion ``objective``: per block, cross-fitted over folds of each task's
     examples, in the one calibration pass, each block then solved with its choice on all examples; ``drift`` /
-    ``agreement``: a calibration per candidate on a fit part, scored on a held-out part, in memory).
+    ``agreement`` / ``site``: a calibration per candidate on a fit part, scored on a held-out part, in memory).
     """
 
     method_name = "FeatCal"
@@ -214,7 +214,7 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             options = self.selection_options
             # a model without the feature site fails here, before the merge
             self._alpha_site = alpha_site(family, modelpool, base) if options is not None and \
-                options.alpha_criterion == "site" else None
+                options.reads_site else None
         return base, experts, family
 
     def _source(self, modelpool, base, experts):
