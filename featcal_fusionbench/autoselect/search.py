@@ -438,8 +438,8 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             raise ValueError("auto_select criterion 'site' needs the family's feature site (alpha_site)")
         if options.criterion == "site" and hp.num_calibration_examples < SITE_FEWEST_MEASURED:
             log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
-                        "measured less accurate than criterion objective (featcal/auto_clip_ta) on three builds of "
-                        "five (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
+                        "measured less accurate than criterion objective (featcal/auto_clip_ta) on four builds of "
+                        "six (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
         fit, held, sizes = split_datasets(datasets, options, seed)
         started = time.perf_counter()
         best, search = select_by_runs(
