@@ -20,8 +20,8 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
 - criteria ``drift`` / ``agreement`` / ``site``: each task's examples split into a fit and a held-out part; one
   calibration of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the
   held-out part's last-block outputs against the experts' (``site``: its rows at the family's feature site, as
-  ``alpha_criterion: site`` scores them, one lambda and alpha for the model). The experts' held-out outputs do not depend on the
-  hyperparameters and are computed once. Then the final calibration runs on ALL calibration examples with the
+  ``alpha_criterion: site`` scores them, one lambda and alpha for the model). The experts' held-out outputs do not
+  depend on the hyperparameters and are computed once. Then the final calibration runs on ALL calibration examples with the
   chosen values. They hold the merged model whole (a copy per candidate).
 """
 
@@ -412,16 +412,16 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     with an ``auto_select`` entry (grid, scores, choice, fold or split sizes, seconds and the search's cost
     multiple). ``datasets``: each task's calibration examples, all of them; ``shard``: (rank, world size) of this
     device, which calibrates on its share of each fold (criterion ``objective``; the others run on one device);
-    ``site``: ``alpha_site``'s, which ``alpha_criterion: site`` needs."""
+    ``site``: ``alpha_site``'s, which criterion or ``alpha_criterion`` ``site`` needs."""
     family = family_with({})
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
     folds = options.folds_for(hp.num_calibration_examples)
     alpha_stage = None
+    if options.reads_site and site is None:
+        raise ValueError("auto_select criterion or alpha_criterion 'site' needs the family's feature site (alpha_site)")
     if options.criterion == "objective":
         if options.alpha_criterion != "none":
-            if options.alpha_criterion == "site" and site is None:
-                raise ValueError("auto_select alpha_criterion 'site' needs the family's feature site (alpha_site)")
             alpha_stage = choose_alpha(make_engine, family, options, hp, grid, merged, base, experts, datasets,
                                        batches_of, device, seed, site if options.alpha_criterion == "site" else None,
                                        shard)
@@ -434,8 +434,6 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             search["search_seconds"] += alpha_stage["seconds"]
             search["calibrations"] += alpha_stage["calibrations"]
     else:
-        if options.criterion == "site" and site is None:
-            raise ValueError("auto_select criterion 'site' needs the family's feature site (alpha_site)")
         if options.criterion == "site" and hp.num_calibration_examples < SITE_FEWEST_MEASURED:
             log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
                         "measured less accurate than criterion objective (featcal/auto_clip_ta) on four builds of "
