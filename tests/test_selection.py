@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 from collections.abc import Mapping
 
 import pytest
@@ -482,22 +483,35 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
     assert auto["criterion_used"] == "site" and auto["calibrations"] == 4
     fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
     family = family_for(base)
-    expected = {}
+    expected, rows, best_at = {}, {}, {}
     for lam in (1e-3, 1.0):
         for alpha in (0.3, 0.6):
             scratch = copy.deepcopy(merged)
             FeatCalEngine(family, replace(hp, lambda_=lam, alpha=alpha), "cpu", progress=False).run(
                 scratch, base, experts, {t: _batches_of(fit[t]) for t in fit})
             with torch.no_grad():
-                per_task = [float(F.cosine_similarity(
+                per_example = [F.cosine_similarity(
                     torch.cat([site.features(scratch, b) for b in _batches_of(held[t])]),
-                    torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]), dim=-1).mean())
+                    torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]), dim=-1).double()
                     for t in experts]
             key = candidate_key({"lambda_": lam, "rho": hp.rho, "alpha": alpha, PATCH_WEIGHT: 1.0})  # the family's
-            expected[key] = sum(per_task) / len(per_task)
+            expected[key], rows[key] = sum(float(c.mean()) for c in per_example) / len(per_example), per_example
             assert auto["candidates"][key]["score"] == pytest.approx(expected[key], rel=1e-5)
+            if alpha not in best_at or expected[key] > expected[best_at[alpha]]:
+                best_at[alpha] = key
     assert set(auto["candidates"]) == set(expected)
     assert candidate_key(auto["choice"]["global"]) == max(expected, key=expected.get)
+    # how clear alpha was: each alpha's best point, the best against the method's (or the runner-up), paired per
+    # held-out example; the standard error of a mean over tasks of per-task mean differences, tasks independent
+    stage = auto["alpha"]
+    assert stage["criterion"] == "site" and stage["points"] == {"0.3": best_at[0.3], "0.6": best_at[0.6]}
+    first, second = (best_at[0.6], best_at[0.3]) if expected[best_at[0.6]] > expected[best_at[0.3]] else (
+        best_at[0.3], best_at[0.6])
+    differences = [a - b for a, b in zip(rows[first], rows[second])]
+    margin = sum(float(d.mean()) for d in differences) / len(differences)
+    se = math.sqrt(sum(float(d.var()) / d.numel() for d in differences)) / len(differences)
+    assert stage["chosen"] == auto["choice"]["global"]["alpha"] and not stage["kept"]
+    assert stage["margin"] == pytest.approx(margin, rel=1e-5) and stage["margin_se"] == pytest.approx(margin / se, rel=1e-4)
     plain = copy.deepcopy(merged)
     FeatCalEngine(family, with_candidate(hp, auto["choice"]["global"]), "cpu", progress=False).run(
         plain, base, experts, {t: _batches_of(d) for t, d in datasets.items()})
@@ -514,6 +528,7 @@ def test_criterion_site_runs_in_the_method_on_a_clip_pool(toy_world, tmp_path):
     assert auto["choice"]["global"]["alpha"] in (0.3, 0.6)
     line = describe_choice(auto)
     assert line.startswith("chose lambda 0.001, rho 2, alpha ") and "(site " in line and "runner-up lambda 0.001" in line
+    assert "by the held-out feature site's cosine" in line and "standard errors ahead of " in line
 
 
 def test_the_alpha_stage_keeps_the_methods_alpha_unless_beaten_by_more_than_the_noise():
