@@ -134,6 +134,8 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
         ({"alpha_criterion": "agreement"}, r"alpha_criterion must be one of \['none', 'drift', 'site'\]"),
         ({"criterion": "drift", "alpha_criterion": "drift"}, "alpha_criterion 'drift' chooses alpha for criterion "
                                                              "'objective'; criterion 'drift' searches grid.alpha"),
+        ({"criterion": "site", "site_parts": 4}, r"site_parts must be null .*, auto .* or 1 .*got 4"),
+        ({"site_parts": "auto"}, "site_parts is given \\('auto'\\) but neither criterion nor alpha_criterion is 'site'"),
         ("yes", "expected true, false or a mapping"),
     ],
 )
@@ -150,6 +152,10 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
     ({"alpha_criterion": "site", "folds": 2}, 3, r"'site' holds out each of 4 parts .*: 3 example\(s\) leave a part "
                                                  r"of 0, fewer than one per device \(1\); raise num_calibration_examples "
                                                  r"to 4"),  # its quarters in turn
+    ({"criterion": "site", "search": "grid", "site_parts": "auto"}, 3,
+     r"criterion 'site' holds out each of 4 parts .*: 3 example\(s\) leave a part of 0"),
+    ({"criterion": "site", "search": "grid", "heldout_fraction": 0.01}, 16,
+     r"cannot be split into a fit and a held-out part .*0.01"),  # its one held-out part
 ])
 def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()
@@ -448,11 +454,14 @@ def test_the_alpha_stage_by_the_feature_site_runs_in_the_method_on_a_clip_pool(t
     assert {key.split(",")[2] for key in auto["choice"]["per_block"]} == {f"alpha={auto['alpha']['chosen']:g}"}
 
 
-def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_calibrates_the_best(caplog):
+@pytest.mark.parametrize("site_parts", [None, "auto"])
+def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_calibrates_the_best(caplog, site_parts):
     """criterion site: a copy of the merged model calibrated on the fit part per (lambda, alpha) of its grid (by
     default SITE_LAMBDAS x the method's alpha and the candidates above it, at the method's rho), each scored by the
     mean over tasks of its held-out rows' cosine to the expert's (recomputed here with the engine and the site); the
-    best point is then calibrated on every example, bit for bit an ordinary calibration with those values."""
+    best point is then calibrated on every example, bit for bit an ordinary calibration with those values. By
+    default one quarter is held out; ``site_parts: auto`` holds out each quarter in turn (16 examples per task, up
+    to 64) and pools every example's cosine."""
     from dataclasses import replace
 
     from featcal_fusionbench.autoselect.options import SITE_LAMBDAS
@@ -464,7 +473,7 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0})
     hp = FeatCalHParams()
     assert options.grid_for({}, hp) == {"lambda_": SITE_LAMBDAS, "rho": (hp.rho,), "alpha": (0.3, 0.45, 0.6)}
-    options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0,
+    options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "site_parts": site_parts,
                                       "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
 
     def make_engine(hparams, family, search=False, **kwargs):
@@ -480,20 +489,30 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
         auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, model, base, experts, datasets,
                               _batches_of, torch.device("cpu"), site=AlphaSite(site))["auto_select"]
     assert "criterion site with 16 calibration examples per task: below 32" in caplog.text
-    assert auto["criterion_used"] == "site" and auto["calibrations"] == 4
-    fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
+    if site_parts is None:
+        fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
+        splits = [(fit, held)]
+    else:  # each task's examples in four parts by fold_of, each held out once
+        assignment = {t: fold_of(len(d), 4, 0, t) for t, d in datasets.items()}
+        splits = [({t: [d[i] for i, f in enumerate(assignment[t]) if f != k] for t, d in datasets.items()},
+                   {t: [d[i] for i, f in enumerate(assignment[t]) if f == k] for t, d in datasets.items()})
+                  for k in range(4)]
+    assert auto["criterion_used"] == "site" and auto["calibrations"] == 4 * len(splits)
     family = family_for(base)
     expected, rows, best_at = {}, {}, {}
     for lam in (1e-3, 1.0):
         for alpha in (0.3, 0.6):
-            scratch = copy.deepcopy(merged)
-            FeatCalEngine(family, replace(hp, lambda_=lam, alpha=alpha), "cpu", progress=False).run(
-                scratch, base, experts, {t: _batches_of(fit[t]) for t in fit})
-            with torch.no_grad():
-                per_example = [F.cosine_similarity(
-                    torch.cat([site.features(scratch, b) for b in _batches_of(held[t])]),
-                    torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]), dim=-1).double()
-                    for t in experts]
+            per_split = []
+            for fit, held in splits:
+                scratch = copy.deepcopy(merged)
+                FeatCalEngine(family, replace(hp, lambda_=lam, alpha=alpha), "cpu", progress=False).run(
+                    scratch, base, experts, {t: _batches_of(fit[t]) for t in fit})
+                with torch.no_grad():
+                    per_split.append([F.cosine_similarity(
+                        torch.cat([site.features(scratch, b) for b in _batches_of(held[t])]),
+                        torch.cat([site.features(experts[t], b) for b in _batches_of(held[t])]), dim=-1).double()
+                        for t in experts])
+            per_example = [torch.cat(parts) for parts in zip(*per_split)]
             key = candidate_key({"lambda_": lam, "rho": hp.rho, "alpha": alpha, PATCH_WEIGHT: 1.0})  # the family's
             expected[key], rows[key] = sum(float(c.mean()) for c in per_example) / len(per_example), per_example
             assert auto["candidates"][key]["score"] == pytest.approx(expected[key], rel=1e-5)

@@ -91,8 +91,10 @@ class SelectionOptions:
     per-fold differences; 0 takes the best); ``least_shrinkage``: the smallest lambda whose score is within
     ``noise_z`` standard errors of the best lambda's is taken; ``alpha_criterion``: ``drift`` or ``site`` chooses one
     alpha among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's (``site``: those at or above the
-    method's), before the per-block search, on a ``heldout_fraction`` split. Criteria ``drift`` / ``agreement``:
-    ``heldout_fraction`` of each task's examples is held out. ``seed``: the folds' or the split's (null: the method's
+    method's), before the per-block search, on a ``heldout_fraction`` split. Criteria ``drift`` / ``agreement`` /
+    ``site``: ``heldout_fraction`` of each task's examples is held out; ``site_parts`` (criterion or alpha_criterion
+    ``site``): ``auto`` holds out each such part in turn up to ``FEW_EXAMPLES`` examples per task, ``1`` one part,
+    null the criterion's default (``site_folds``). ``seed``: the folds' or the split's (null: the method's
     ``seed``).
     """
 
@@ -103,6 +105,7 @@ class SelectionOptions:
     least_shrinkage: bool = True
     alpha_criterion: str = "none"
     heldout_fraction: float = 0.25
+    site_parts: Union[int, str, None] = None
     search: str = "coordinate"
     seed: Optional[int] = None
     grid: Mapping[str, Tuple[float, ...]] = field(default_factory=dict)
@@ -123,6 +126,12 @@ class SelectionOptions:
             problems.append(f"widen must be true or false, got {self.widen!r}")
         if not isinstance(self.least_shrinkage, bool):
             problems.append(f"least_shrinkage must be true or false, got {self.least_shrinkage!r}")
+        if self.site_parts not in (None, "auto", 1) or isinstance(self.site_parts, bool):
+            problems.append(f"site_parts must be null (the criterion's default), auto (each part held out in turn up "
+                            f"to {FEW_EXAMPLES} examples per task) or 1 (one held-out part), got {self.site_parts!r}")
+        if self.site_parts is not None and "site" not in (self.criterion, self.alpha_criterion):
+            problems.append(f"site_parts is given ({self.site_parts!r}) but neither criterion nor alpha_criterion is "
+                            f"'site', which alone read it")
         if self.alpha_criterion not in ALPHA_CRITERIA:
             problems.append(f"alpha_criterion must be one of {list(ALPHA_CRITERIA)}, got {self.alpha_criterion!r}")
         elif self.alpha_criterion != "none" and self.criterion != "objective":
@@ -172,9 +181,16 @@ class SelectionOptions:
         return 8 if 8 <= num_examples <= FEW_EXAMPLES else 4
 
     def site_folds(self, num_examples: int) -> int:
-        """How many held-out parts alpha_criterion site scores: up to ``FEW_EXAMPLES`` examples per task each of
-        ``1 / heldout_fraction`` parts in turn (every example scored once); above, one ``heldout_fraction`` (1)."""
-        return max(2, round(1.0 / self.heldout_fraction)) if num_examples <= FEW_EXAMPLES else 1
+        """How many held-out parts the feature site scores. ``site_parts: auto`` (alpha_criterion site's default): up
+        to ``FEW_EXAMPLES`` examples per task each of ``1 / heldout_fraction`` parts in turn (every example scored
+        once), above one ``heldout_fraction``; ``1`` (criterion site's default): one ``heldout_fraction`` at every n.
+        Why the defaults differ: alpha_criterion site scores a calibration per alpha, criterion site one per point
+        of its grid, and each part in turn met issue 61's targets for criterion site on no more of the Xeon builds
+        (at 8 and 32 examples per task) at four times the cost (docs/featcal.md)."""
+        parts = self.site_parts if self.site_parts is not None else 1 if self.criterion == "site" else "auto"
+        if parts == 1 or num_examples > FEW_EXAMPLES:
+            return 1
+        return max(2, round(1.0 / self.heldout_fraction))
 
     def check_site_sizes(self, num_examples: int, world_size: int, tasks: Sequence[str]) -> None:
         """Fail before any model work where alpha_criterion site's held-out parts would leave one empty, or a fit
@@ -184,7 +200,8 @@ class SelectionOptions:
             check_split_sizes(num_examples, world_size, self.heldout_fraction, tasks)
         elif num_examples // folds < max(world_size, 1):  # fold_of's parts differ in size by one at most
             raise ValueError(
-                f"auto_select alpha_criterion 'site' holds out each of {folds} parts of a task's examples in turn "
+                f"auto_select {'criterion' if self.criterion == 'site' else 'alpha_criterion'} 'site' holds out each "
+                f"of {folds} parts of a task's examples in turn "
                 f"(up to {FEW_EXAMPLES} per task): {num_examples} example(s) leave a part of {num_examples // folds}, "
                 f"fewer than one per device ({world_size}); raise num_calibration_examples to "
                 f"{folds * max(world_size, 1)} or more, or auto_select.heldout_fraction")

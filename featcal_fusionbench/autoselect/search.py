@@ -20,7 +20,8 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
 - criteria ``drift`` / ``agreement`` / ``site``: each task's examples split into a fit and a held-out part; one
   calibration of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the
   held-out part's last-block outputs against the experts' (``site``: its rows at the family's feature site, as
-  ``alpha_criterion: site`` scores them, one lambda and alpha for the model). The experts' held-out outputs do not
+  ``alpha_criterion: site`` scores them, one lambda and alpha for the model; with ``site_parts: auto`` each part
+  held out in turn, every example's row pooled). The experts' held-out outputs do not
   depend on the hyperparameters and are computed once. Then the final calibration runs on ALL calibration examples with the
   chosen values. They hold the merged model whole (a copy per candidate).
 """
@@ -237,18 +238,7 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
     per-block pass, so every rank solves the same systems, and every rank scores every held-out example (a forward
     pass each): the ranks choose alike without a collective of their own."""
     started = time.perf_counter()
-    rank, world_size = shard
-    folds = options.site_folds(min(len(d) for d in datasets.values()))
-    if folds > 1:
-        held_parts, sizes = fold_datasets(datasets, folds, seed)
-        fit_parts = fold_datasets(datasets, folds, seed, shard)[0] if world_size > 1 else held_parts
-        splits = [({t: [p for j, p in enumerate(ps) if j != k] for t, ps in fit_parts.items()},
-                   {t: ps[k] for t, ps in held_parts.items()}) for k in range(folds)]
-    else:
-        fit, held, sizes = split_datasets(datasets, options, seed)
-        if world_size > 1:
-            fit = {t: subset(d, range(rank, len(d), world_size)) for t, d in fit.items()}
-        splits = [({t: [d] for t, d in fit.items()}, held)]
+    splits, sizes, folds = site_splits(datasets, options, seed, shard)
     stage = replace(hp, lambda_=min(grid["lambda_"]))
     alphas = [a for a in grid["alpha"] if a >= hp.alpha]  # grid_for sorts it, the method's alpha among it
     scored: Dict[float, List[Optional[Dict[str, torch.Tensor]]]] = {alpha: [] for alpha in alphas}
@@ -267,6 +257,26 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
         "stage_hparams": {"lambda_": stage.lambda_, "rho": stage.rho},
         "calibrations": folds * len(alphas), "seconds": time.perf_counter() - started,
     }
+
+
+def site_splits(datasets, options: SelectionOptions, seed, shard=(0, 1)):
+    """The (fit parts, held-out part) pairs that the site scores, each task's examples split alike for every
+    candidate: up to ``FEW_EXAMPLES`` examples per task each of ``1 / heldout_fraction`` parts held out in turn
+    (``site_parts: auto``), else one ``heldout_fraction``; the sizes for the report; the number of pairs.
+    ``shard``: (rank, world size); with several devices each fit part is shared out, the held-out parts are not."""
+    rank, world_size = shard
+    folds = options.site_folds(min(len(d) for d in datasets.values()))
+    if folds > 1:
+        held_parts, sizes = fold_datasets(datasets, folds, seed)
+        fit_parts = fold_datasets(datasets, folds, seed, shard)[0] if world_size > 1 else held_parts
+        splits = [({t: [p for j, p in enumerate(ps) if j != k] for t, ps in fit_parts.items()},
+                   {t: ps[k] for t, ps in held_parts.items()}) for k in range(folds)]
+    else:
+        fit, held, sizes = split_datasets(datasets, options, seed)
+        if world_size > 1:
+            fit = {t: subset(d, range(rank, len(d), world_size)) for t, d in fit.items()}
+        splits = [({t: [d] for t, d in fit.items()}, held)]
+    return splits, sizes, folds
 
 
 def held_out_cosines(engine: FeatCalEngine, merged, base, experts, fit_batches, reference, family, held_batches):
@@ -370,16 +380,19 @@ class HeldoutReference:
 
 
 def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOptions, hp, grid, merged, base, experts,
-                   fit_batches, held_batches, device, site: Optional[AlphaSite] = None):
-    """The chosen (hparams, family options) after a calibration per candidate, and the search's report. ``site``:
-    criterion ``site``'s feature site (``alpha_site``)."""
+                   splits, device, site: Optional[AlphaSite] = None):
+    """The chosen (hparams, family options) after a calibration per candidate and split, and the search's report.
+    ``splits``: (fit batches: () -> task -> batches, held-out batches: task -> batches) pairs; ``drift`` and
+    ``agreement`` score one; criterion ``site`` pools every pair's held-out examples (``site_splits``), scored at
+    ``site``'s feature site (``alpha_site``)."""
+    family0 = family_with({})
     if options.criterion == "site":
-        reference = site.hold_out(family_with({}), experts, held_batches, device)
+        references = [AlphaSite(site.site).hold_out(family0, experts, held, device) for _, held in splits]
     else:
-        reference = HeldoutReference(family_with({}), experts, held_batches, device, options.criterion)
+        references = [HeldoutReference(family0, experts, splits[0][1], device, options.criterion)]
     start = {"lambda_": hp.lambda_, "rho": hp.rho, "alpha": hp.alpha}
     if PATCH_WEIGHT in grid:
-        start[PATCH_WEIGHT] = family_with({}).option_values[PATCH_WEIGHT]
+        start[PATCH_WEIGHT] = family0.option_values[PATCH_WEIGHT]
     stages = coordinate_stages(grid) if options.search == "coordinate" else [list(grid)]
     scores: Dict[str, Dict[str, Any]] = {}
     points: Dict[str, Candidate] = {}
@@ -392,22 +405,28 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
             if key in scores:  # the stage's starting point was scored by the previous stage
                 continue
             family = family_with({PATCH_WEIGHT: candidate[PATCH_WEIGHT]} if PATCH_WEIGHT in candidate else {})
-            model = copy.deepcopy(merged)
             try:
-                make_engine(with_candidate(hp, candidate), family, search=True).run(model, base, experts, fit_batches())
+                per_split = []
+                for (fit_batches, held_batches), reference in zip(splits, references):
+                    model = copy.deepcopy(merged)
+                    make_engine(with_candidate(hp, candidate), family, search=True).run(model, base, experts,
+                                                                                        fit_batches())
+                    if options.criterion == "site":
+                        per_split.append(reference.example_cosines(family, model, held_batches))
+                    else:
+                        per_task = reference.score(family, model, held_batches)
+                    del model
                 if options.criterion == "site":
-                    rows[key] = reference.example_cosines(family, model, held_batches)
+                    rows[key] = {t: torch.cat([part[t] for part in per_split]) for t in per_split[0]}
                     per_task = {t: float(c.mean()) for t, c in rows[key].items()}
-                else:
-                    per_task = reference.score(family, model, held_batches)
             except NonFiniteError:
                 per_task = {t: float("nan") for t in experts}
                 rows[key] = None
             scores[key], points[key] = {"score": mean_over_tasks(per_task), "per_task": per_task}, candidate
-            del model
         in_stage = {candidate_key(c): scores[candidate_key(c)]["score"] for c in stage}
         best = next(c for c in stage if candidate_key(c) == best_of(in_stage, higher_is_better=True))
-    search = {"criterion_used": reference.criterion, "candidates": scores, "calibrations": len(scores)}
+    search = {"criterion_used": references[0].criterion, "candidates": scores,
+              "calibrations": len(scores) * len(splits)}
     if options.criterion == "site":
         search.update(alpha=site_alpha_margin(points, scores, rows, hp.alpha))
     return best, search
@@ -469,12 +488,16 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
                         "measured less accurate than criterion objective (featcal/auto_clip_ta) on four builds of "
                         "six (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
-        fit, held, sizes = split_datasets(datasets, options, seed)
+        if options.criterion == "site":
+            parts, sizes, _ = site_splits(datasets, options, seed)
+        else:
+            fit, held, sizes = split_datasets(datasets, options, seed)
+            parts = [({t: [d] for t, d in fit.items()}, held)]
         started = time.perf_counter()
-        best, search = select_by_runs(
-            make_engine, family_with, options, hp, grid, merged, base, experts,
-            lambda: {t: batches_of(d) for t, d in fit.items()}, lambda t: batches_of(held[t]), device, site,
-        )
+        splits = [(lambda fit=fit: {t: [b for d in ds for b in batches_of(d)] for t, ds in fit.items()},
+                   lambda t, held=held: batches_of(held[t])) for fit, held in parts]
+        best, search = select_by_runs(make_engine, family_with, options, hp, grid, merged, base, experts, splits,
+                                      device, site)
         search_seconds = time.perf_counter() - started
         chosen_family = family_with({PATCH_WEIGHT: best[PATCH_WEIGHT]} if PATCH_WEIGHT in best else {})
         choice = {"global": dict(best)}

@@ -189,6 +189,8 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                     options.check_fold_sizes(len(fit), 1, tasks)  # the alpha stage's folds of the fit part
                 elif options.alpha_criterion == "site":
                     options.check_site_sizes(hp.num_calibration_examples, world_size, tasks)
+            elif options.criterion == "site":
+                options.check_site_sizes(hp.num_calibration_examples, world_size, tasks)
             else:
                 check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output
