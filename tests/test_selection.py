@@ -498,6 +498,7 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
                    {t: [d[i] for i, f in enumerate(assignment[t]) if f == k] for t, d in datasets.items()})
                   for k in range(4)]
     assert auto["criterion_used"] == "site" and auto["calibrations"] == 4 * len(splits)
+    assert auto["site_parts"] == len(splits)
     family = family_for(base)
     expected, rows, best_at = {}, {}, {}
     for lam in (1e-3, 1.0):

@@ -385,14 +385,14 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
     ``splits``: (fit batches: () -> task -> batches, held-out batches: task -> batches) pairs; ``drift`` and
     ``agreement`` score one; criterion ``site`` pools every pair's held-out examples (``site_splits``), scored at
     ``site``'s feature site (``alpha_site``)."""
-    family0 = family_with({})
+    plain_family = family_with({})
     if options.criterion == "site":
-        references = [AlphaSite(site.site).hold_out(family0, experts, held, device) for _, held in splits]
+        references = [AlphaSite(site.site).hold_out(plain_family, experts, held, device) for _, held in splits]
     else:
-        references = [HeldoutReference(family0, experts, splits[0][1], device, options.criterion)]
+        references = [HeldoutReference(plain_family, experts, splits[0][1], device, options.criterion)]
     start = {"lambda_": hp.lambda_, "rho": hp.rho, "alpha": hp.alpha}
     if PATCH_WEIGHT in grid:
-        start[PATCH_WEIGHT] = family0.option_values[PATCH_WEIGHT]
+        start[PATCH_WEIGHT] = plain_family.option_values[PATCH_WEIGHT]
     stages = coordinate_stages(grid) if options.search == "coordinate" else [list(grid)]
     scores: Dict[str, Dict[str, Any]] = {}
     points: Dict[str, Candidate] = {}
@@ -467,7 +467,7 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
     folds = options.folds_for(hp.num_calibration_examples)
-    alpha_stage = None
+    alpha_stage = site_parts = None
     if options.reads_site and site is None:
         raise ValueError("auto_select criterion or alpha_criterion 'site' needs the family's feature site (alpha_site)")
     if options.criterion == "objective":
@@ -489,7 +489,7 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
                         "measured less accurate than criterion objective (featcal/auto_clip_ta) on four builds of "
                         "six (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
         if options.criterion == "site":
-            parts, sizes, _ = site_splits(datasets, options, seed)
+            parts, sizes, site_parts = site_splits(datasets, options, seed)
         else:
             fit, held, sizes = split_datasets(datasets, options, seed)
             parts = [({t: [d] for t, d in fit.items()}, held)]
@@ -514,6 +514,7 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
         **({"folds": folds, "noise_z": options.noise_z, "widen": options.widen,
             "least_shrinkage": options.least_shrinkage, "alpha_criterion": options.alpha_criterion} if objective
            else {"heldout_fraction": options.heldout_fraction}),
+        **({"site_parts": site_parts} if site_parts is not None else {}),
         **({"alpha": alpha_stage} if alpha_stage is not None else {}),
         "seed": seed,
         "grid": {k: list(v) for k, v in grid.items()},
