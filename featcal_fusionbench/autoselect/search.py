@@ -162,10 +162,6 @@ class AlphaSite:
                     self.features(family, model, held_batches(task), self.device), reference, dim=-1)
                 for task, reference in self.rows.items()}
 
-    def score(self, family, model, held_batches) -> Dict[str, float]:
-        """Per task, the mean held-out cosine (``HeldoutReference.score``'s signature, for criterion ``site``)."""
-        return {task: float(c.mean()) for task, c in self.example_cosines(family, model, held_batches).items()}
-
 
 def alpha_site(family: ModelFamily, modelpool, base: nn.Module) -> AlphaSite:
     """The feature site of criterion or ``alpha_criterion`` ``site``, or a ValueError naming why this model has none
@@ -486,8 +482,8 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     else:
         if options.criterion == "site" and hp.num_calibration_examples < SITE_FEWEST_MEASURED:
             log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
-                        "measured less accurate than criterion objective (featcal/auto_clip_ta) on four builds of "
-                        "six (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
+                        "measured less accurate than criterion objective (featcal/auto_clip_ta) on five builds of "
+                        "seven (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
         if options.criterion == "site":
             parts, sizes, site_parts = site_splits(datasets, options, seed)
         else:
