@@ -266,11 +266,15 @@ class ClipEvaluation:
         self.classifier.zeroshot_weights = self.tasks[task][0]
         return torch.cat([self.classifier(pixel_values).float().cpu() for pixel_values in images])
 
-    def __call__(self, model) -> Dict[str, float]:
+    def correct(self, model) -> Dict[str, torch.Tensor]:
+        """Per task: whether the argmax of each test example's logits is its label, in the test loader's order."""
         out = {}
         for task, (_weights, batches) in self.tasks.items():
             logits = self.logits(model, task, [inputs for inputs, _targets in batches])
-            targets = torch.cat([targets for _inputs, targets in batches])
-            out[task] = 100.0 * int((logits.argmax(-1) == targets).sum()) / len(targets)
+            out[task] = logits.argmax(-1) == torch.cat([targets for _inputs, targets in batches])
+        return out
+
+    def __call__(self, model) -> Dict[str, float]:
+        out = {task: 100.0 * int(hits.sum()) / len(hits) for task, hits in self.correct(model).items()}
         out["average"] = sum(out.values()) / len(out)
         return out

@@ -42,6 +42,54 @@ def lab_for(world: str, n: int, seed: int, runs: Path):
     return Lab(without_log_dir(run.args))
 
 
+def resolution(lab, args, command: str) -> None:
+    """Writes OUT/resolution-<world>-n<n>-seed<seed>.json (each grid point's and rule's per-example test correctness,
+    bit-packed, and the summary), resuming from it."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from featcal_experiments.label_resolution import averages, oracle_bias, pack, split_half, unpack
+
+    if not lab._clip_pool():
+        raise SystemExit(f"resolution reads each test example's correctness from a CLIP task pool; {args.world} has none")
+    path = args.out / f"resolution-{args.world}-n{args.n}-seed{args.seed}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {"points": [], "rules": {}}
+    heads = lab.zero_shot_heads()
+
+    def record(model) -> dict:
+        hits = heads.correct(model)
+        data["sizes"] = {t: len(h) for t, h in hits.items()}
+        return {t: pack(h.numpy()) for t, h in hits.items()}
+
+    done = {(p["lambda_"], p["rho"], p["alpha"]) for p in data["points"]}
+    values = [[float(v) for v in s.split(",")] for s in (args.lambdas, args.rhos, args.alphas)]
+    for lam, rho, alpha in itertools.product(*values):
+        if (lam, rho, alpha) not in done:
+            model, _ = lab.calibrate(args.n, args.seed, lambda_=lam, rho=rho, alpha=alpha)
+            data["points"].append({"lambda_": lam, "rho": rho, "alpha": alpha, "correct": record(model)})
+            path.write_text(json.dumps(data))
+    for name, options in OmegaConf.to_container(OmegaConf.create(args.rules)).items():
+        if name not in data["rules"]:
+            model, report = lab.calibrate(args.n, args.seed, auto_select=options)
+            data["rules"][name] = {"auto_select": options, "choice": report["auto_select"]["choice"],
+                                   "correct": record(model)}
+            path.write_text(json.dumps(data))
+    sizes = data["sizes"]
+    grid = {t: np.stack([unpack(p["correct"][t], size) for p in data["points"]]) for t, size in sizes.items()}
+    rules = {name: {t: unpack(r["correct"][t], size) for t, size in sizes.items()} for name, r in data["rules"].items()}
+    scores = averages(grid)
+    best = data["points"][int(np.argmax(scores))]
+    data.update(command=command, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
+                world=args.world, n=args.n, seed=args.seed, summary={
+                    "grid_points": len(scores), "best": {k: best[k] for k in ("lambda_", "rho", "alpha")},
+                    "rules": {name: float(averages({t: r[None] for t, r in rule.items()})[0])
+                              for name, rule in rules.items()},
+                    **oracle_bias(grid, args.draws, args.seed),
+                    "split_half": split_half(grid, rules, args.splits, args.seed)})
+    path.write_text(json.dumps(data))
+    print(json.dumps(data["summary"], indent=1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", required=True)
@@ -73,6 +121,16 @@ def main(argv=None) -> int:
     probe.add_argument("--lambda", dest="lambda_", type=float, required=True)
     probe.add_argument("--rho", type=float, required=True)
     probe.add_argument("--alphas", default="0.15,0.3,0.45,0.6")
+    res = sub.add_parser("resolution", help="CLIP worlds: each test example's correctness over a grid and label-free "
+                         "rules, then the oracle's selection bias and a labelled half-test sweep "
+                         "(featcal_experiments.label_resolution)")
+    res.add_argument("--lambdas", default="1e-07,1e-06,1e-05,0.0001,0.001,0.01")
+    res.add_argument("--rhos", default="2.0,2.5")
+    res.add_argument("--alphas", default="0.3,0.45,0.6")
+    res.add_argument("--rules", default="{default: {criterion: objective}, site: {criterion: site, search: grid}}",
+                     help="name -> method.auto_select options, as YAML")
+    res.add_argument("--draws", type=int, default=2000, help="bootstrap resamples of the test examples")
+    res.add_argument("--splits", type=int, default=500, help="random halvings of the test examples")
     swap = sub.add_parser("swap", help="a variant's per-block choice with one block's values swapped, scored")
     swap.add_argument("--from", dest="source", type=Path, required=True, help="a variant's JSON")
     swap.add_argument("--blocks", required=True, help="comma-separated block indices")
@@ -145,6 +203,8 @@ def main(argv=None) -> int:
             f.write(json.dumps(out) + "\n")
         for row in rows:
             print(json.dumps({k: round(v, 4) for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+    elif args.command == "resolution":
+        resolution(lab, args, command)
     elif args.command == "swap":
         from dataclasses import replace
 

@@ -1,0 +1,53 @@
+"""The table of docs/featcal.md's "How finely the test labels rank" from the lab's resolution files (issue 61).
+
+  python experiments/scripts/resolution_table.py experiments/results/autoselect/lab/resolution/*.json
+
+Per build and n (each file's parent folder names its build), over the files' seeds: the oracle's lead over each
+rule and over a labelled sweep on half the test labels (mean / worst), and the bootstrap bias of the oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def rows(paths):
+    groups = defaultdict(list)
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if "summary" not in data:
+            raise SystemExit(f"{path}: no summary yet (an interrupted run: its command resumes it)")
+        groups[(Path(path).parent.name, data["n"])].append(data)
+    for (build, n), files in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        files.sort(key=lambda d: d["seed"])
+        lead = defaultdict(list)
+        for d in files:
+            s = d["summary"]
+            for rule, score in s["rules"].items():
+                lead[rule].append(s["oracle"] - score)
+            lead["labelled half-test sweep"].append(s["oracle"] - s["split_half"]["sweep"]["mean"])
+        yield build, n, [d["seed"] for d in files], lead, [d["summary"]["bias"] for d in files]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    table = list(rows(args.files))
+    names = list(table[0][3])
+    print("| build | n | seeds | " + " | ".join(f"oracle - {name}: mean / worst" for name in names)
+          + " | the oracle's bias: mean |")
+    print("|---|---:|---|" + "---:|" * (len(names) + 1))
+    for build, n, seeds, lead, bias in table:
+        cells = [f"{sum(v) / len(v):.2f} / {max(v):.2f}" for v in (lead[name] for name in names)]
+        print(f"| {build} | {n} | {', '.join(map(str, seeds))} | " + " | ".join(cells)
+              + f" | {sum(bias) / len(bias):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
