@@ -1,9 +1,12 @@
 """The table of docs/featcal.md's "How finely the test labels rank" from the lab's resolution files (issue 61).
 
-  python experiments/scripts/resolution_table.py experiments/results/autoselect/lab/resolution/*.json
+  python experiments/scripts/resolution_table.py experiments/results/autoselect/lab/resolution/*/*.json
+  python experiments/scripts/resolution_table.py --among "lambda_=1e-06,0.0001 rho=2.0" <files>
 
 Per build and n (each file's parent folder names its build), over the files' seeds: the oracle's lead over each
 rule and over a labelled sweep on half the test labels (mean / worst), and the bootstrap bias of the oracle.
+``--among``: also the oracle's lead over the best of the grid points with those values (e.g. criterion ``site``'s
+default candidates), read from the files' per-image correctness.
 """
 
 from __future__ import annotations
@@ -15,7 +18,20 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def rows(paths):
+def among_best(data, among) -> float:
+    """The best score of ``data``'s grid points whose values are all in ``among`` (key -> allowed values)."""
+    import numpy as np
+
+    from featcal_experiments.label_resolution import averages, unpack
+
+    points = [p for p in data["points"] if all(p[k] in values for k, values in among.items())]
+    if not points:
+        raise SystemExit(f"no grid point has {among}")
+    sizes = data["sizes"]
+    return float(averages({t: np.stack([unpack(p["correct"][t], n) for p in points]) for t, n in sizes.items()}).max())
+
+
+def rows(paths, among=None):
     groups = defaultdict(list)
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -30,14 +46,21 @@ def rows(paths):
             for rule, score in s["rules"].items():
                 lead[rule].append(s["oracle"] - score)
             lead["labelled half-test sweep"].append(s["oracle"] - s["split_half"]["sweep"]["mean"])
+            if among:
+                lead["best among " + " ".join(f"{k}={','.join(map(str, v))}" for k, v in among.items())].append(
+                    s["oracle"] - among_best(d, among))
         yield build, n, [d["seed"] for d in files], lead, [d["summary"]["bias"] for d in files]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--among", default=None, help='grid values, e.g. "lambda_=1e-06,0.0001 rho=2.0"')
     args = parser.parse_args(argv)
-    table = list(rows(args.files))
+    among = None
+    if args.among:
+        among = {k: [float(v) for v in values.split(",")] for k, values in (part.split("=") for part in args.among.split())}
+    table = list(rows(args.files, among))
     names = list(table[0][3])
     print("| build | n | seeds | " + " | ".join(f"oracle - {name}: mean / worst" for name in names)
           + " | the oracle's bias: mean |")

@@ -51,3 +51,30 @@ def test_pack_round_trips_any_length():
     for size in (1, 7, 8, 9, 601):
         hits = rng.random(size) < 0.5
         np.testing.assert_array_equal(unpack(pack(hits), size), hits)
+
+
+def test_the_table_reads_each_builds_seeds_and_the_best_among_given_values(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import resolution_table
+
+    sizes = {"a": 4, "b": 2}
+    # three grid points; the rules and the summary as the lab writes them (their values are the file's, not recomputed)
+    hits = [{"a": [1, 1, 1, 1], "b": [1, 1]}, {"a": [1, 1, 0, 0], "b": [1, 0]}, {"a": [1, 0, 0, 0], "b": [0, 0]}]
+    values = [(1e-6, 2.0), (1e-4, 2.0), (1e-6, 2.5)]
+    for seed, oracle in ((42, 100.0), (43, 90.0)):
+        data = {"n": 8, "seed": seed, "sizes": sizes,
+                "points": [{"lambda_": lam, "rho": rho, "alpha": 0.3,
+                            "correct": {t: pack(np.array(h[t], bool)) for t in sizes}}
+                           for (lam, rho), h in zip(values, hits)],
+                "summary": {"oracle": oracle, "bias": 0.1, "rules": {"default": oracle - 1.0},
+                            "split_half": {"sweep": {"mean": oracle - 0.5}}}}
+        (tmp_path / "build").mkdir(exist_ok=True)
+        (tmp_path / "build" / f"seed{seed}.json").write_text(json.dumps(data))
+    resolution_table.main(["--among", "lambda_=0.0001,0.01 rho=2.0", *map(str, sorted((tmp_path / "build").iterdir()))])
+    out = capsys.readouterr().out.splitlines()
+    # point 2 (1e-4, rho 2) scores 50: oracle 100 -> 50 behind, oracle 90 -> 40: mean 45, worst 50
+    assert out[2] == "| build | 8 | 42, 43 | 1.00 / 1.00 | 0.50 / 0.50 | 45.00 / 50.00 | 0.10 |"
