@@ -539,6 +539,41 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
         assert torch.equal(p, q)
 
 
+def test_a_criterion_site_point_whose_calibration_is_not_finite_scores_nan_and_calibrates_no_further_part():
+    """With each part held out in turn, a point whose first part's calibration raises NonFiniteError scores NaN
+    (never chosen, not weighed in the alpha margin) and is not calibrated on the remaining parts."""
+    from featcal_fusionbench.autoselect.search import AlphaSite
+    from featcal_fusionbench.core.moments import NonFiniteError
+
+    world = tiny_world(batches=4)
+    base, experts, merged, _ = world
+    datasets = _datasets(world)
+    options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "site_parts": "auto",
+                                      "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+    runs = []
+
+    class Failing(FeatCalEngine):
+        def run(self, model, *args, **kwargs):
+            runs.append((self.hparams.lambda_, self.hparams.alpha))
+            if (self.hparams.lambda_, self.hparams.alpha) == (1.0, 0.6):
+                raise NonFiniteError("a stand-in for a non-finite statistic")
+            return super().run(model, *args, **kwargs)
+
+    def make_engine(hparams, family, search=False, **kwargs):
+        return Failing(family, hparams, "cpu", progress=False, **kwargs)
+
+    hp = FeatCalHParams(num_calibration_examples=16)
+    auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base,
+                          experts, datasets, _batches_of, torch.device("cpu"), site=AlphaSite(_ProjectedSite()))[
+        "auto_select"]
+    failed = candidate_key({"lambda_": 1.0, "rho": hp.rho, "alpha": 0.6, PATCH_WEIGHT: 1.0})
+    assert math.isnan(auto["candidates"][failed]["score"])
+    assert all(math.isfinite(c["score"]) for k, c in auto["candidates"].items() if k != failed)
+    assert runs.count((1.0, 0.6)) == 1  # its first part failed: the other three were not calibrated
+    assert auto["site_parts"] == 4 and len(runs) == 3 * 4 + 1 + 1  # three points x four parts, the failed one, the final
+    assert candidate_key(auto["choice"]["global"]) != failed and auto["alpha"]["points"]["0.6"] != failed
+
+
 def test_criterion_site_runs_in_the_method_on_a_clip_pool(toy_world, tmp_path):
     make(tmp_path, auto_select={"criterion": "site", "search": "grid",
                                 "grid": {"lambda_": [1e-3], "alpha": [0.3, 0.6]}}).run(load_pool(toy_world))

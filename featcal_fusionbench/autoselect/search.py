@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -246,8 +246,7 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
             engine = make_engine(replace(stage, alpha=alpha), family, search=True)
             scored[alpha].append(held_out_cosines(engine, merged, base, experts, fit_made, site, family,
                                                   held_made.__getitem__))
-    per_example = {alpha: None if any(c is None for c in cs) else {t: torch.cat([c[t] for c in cs]) for t in cs[0]}
-                   for alpha, cs in scored.items()}
+    per_example = {alpha: pooled(cs) for alpha, cs in scored.items()}
     return {
         "criterion": "site", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes, "folds": folds,
         "stage_hparams": {"lambda_": stage.lambda_, "rho": stage.rho},
@@ -284,6 +283,17 @@ def held_out_cosines(engine: FeatCalEngine, merged, base, experts, fit_batches, 
     except NonFiniteError:
         return None
     return reference.example_cosines(family, model, held_batches)
+
+
+def pooled(parts: Iterable[Optional[Dict[str, torch.Tensor]]]) -> Optional[Dict[str, torch.Tensor]]:
+    """Per task, the held-out parts' per-example cosines in one tensor; None as soon as a part is (a calibration that
+    was not finite), so a lazy ``parts`` calibrates no further part."""
+    taken = []
+    for part in parts:
+        if part is None:
+            return None
+        taken.append(part)
+    return {t: torch.cat([part[t] for part in taken]) for t in taken[0]}
 
 
 def alpha_verdict(per_example: Mapping[float, Optional[Dict[str, torch.Tensor]]], method: float,
@@ -401,23 +411,24 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
             if key in scores:  # the stage's starting point was scored by the previous stage
                 continue
             family = family_with({PATCH_WEIGHT: candidate[PATCH_WEIGHT]} if PATCH_WEIGHT in candidate else {})
-            try:
-                per_split = []
-                for (fit_batches, held_batches), reference in zip(splits, references):
-                    model = copy.deepcopy(merged)
+            per_task = {t: float("nan") for t in experts}
+            if options.criterion == "site":
+                rows[key] = pooled(
+                    held_out_cosines(make_engine(with_candidate(hp, candidate), family, search=True), merged, base,
+                                     experts, fit_batches(), reference, family, held_batches)
+                    for (fit_batches, held_batches), reference in zip(splits, references))
+                if rows[key] is not None:
+                    per_task = {t: float(c.mean()) for t, c in rows[key].items()}
+            else:
+                (fit_batches, held_batches), = splits
+                model = copy.deepcopy(merged)
+                try:
                     make_engine(with_candidate(hp, candidate), family, search=True).run(model, base, experts,
                                                                                         fit_batches())
-                    if options.criterion == "site":
-                        per_split.append(reference.example_cosines(family, model, held_batches))
-                    else:
-                        per_task = reference.score(family, model, held_batches)
-                    del model
-                if options.criterion == "site":
-                    rows[key] = {t: torch.cat([part[t] for part in per_split]) for t in per_split[0]}
-                    per_task = {t: float(c.mean()) for t, c in rows[key].items()}
-            except NonFiniteError:
-                per_task = {t: float("nan") for t in experts}
-                rows[key] = None
+                    per_task = references[0].score(family, model, held_batches)
+                except NonFiniteError:
+                    pass
+                del model
             scores[key], points[key] = {"score": mean_over_tasks(per_task), "per_task": per_task}, candidate
         in_stage = {candidate_key(c): scores[candidate_key(c)]["score"] for c in stage}
         best = next(c for c in stage if candidate_key(c) == best_of(in_stage, higher_is_better=True))
