@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -46,6 +47,7 @@ class Lab:
         self._prepared: Dict[tuple, Any] = {}
         self._batches: Dict[Any, list] = {}
         self._fast_eval = None
+        self._text_eval = None
 
     def algorithm(self, **overrides):
         """The method as the config composes it, with ``overrides`` (``method.<key>``) applied."""
@@ -147,6 +149,18 @@ class Lab:
         from fusion_bench.taskpool import CLIPVisionModelTaskPool
 
         return isinstance(self.taskpool, CLIPVisionModelTaskPool)
+
+    def per_example(self):
+        """The world's per-test-example records (``ClipEvaluation`` or ``TextEvaluation``), None for other pools."""
+        from featcal_fusionbench.evaluation.text_taskpool import TextGenerationTaskPool
+
+        if self._clip_pool():
+            return self.zero_shot_heads()
+        if isinstance(self.taskpool, TextGenerationTaskPool):
+            if self._text_eval is None:
+                self._text_eval = TextEvaluation(self.taskpool)
+            return self._text_eval
+        return None
 
     def check_fast_evaluation(self, model) -> None:
         fast, exact = self.evaluate(model), self.evaluate(model, exact=True)
@@ -277,4 +291,52 @@ class ClipEvaluation:
     def __call__(self, model) -> Dict[str, float]:
         out = {task: 100.0 * int(hits.sum()) / len(hits) for task, hits in self.correct(model).items()}
         out["average"] = sum(out.values()) / len(out)
+        return out
+
+    labels: Dict[str, Any] = {}  # no task is scored by Spearman's rho
+
+
+def parsed_number(text: str) -> float:
+    """A generated or label text as FusionBench's ``evaluate_spearman_rho`` parses it (its inner ``parse_flost``:
+    ``float(text)``, 0.0 where that fails; fusion_bench/tasks/flan_t5_text_generation/glue_evaluation.py)."""
+    try:
+        return float(text)
+    except Exception:
+        return 0.0
+
+
+class TextEvaluation:
+    """Per test example, what ``TextGenerationTaskPool`` scores (FusionBench's ``evaluate_accuracy`` /
+    ``evaluate_spearman_rho``: ``generate(input_ids, max_length)``, the decoded output against the decoded label with
+    special tokens removed): for an accuracy task whether the two texts are equal, for a regression task the parsed
+    output; ``labels``: the regression tasks' parsed labels. Test batches are made once, in the pool's order."""
+
+    def __init__(self, taskpool):
+        from fusion_bench.tasks.flan_t5_text_generation.glue_evaluation import remove_special_tokens
+        from torch.utils.data import DataLoader
+        from transformers import default_data_collator
+
+        self.taskpool = taskpool
+        tokenizer = taskpool.tokenizer
+        self.tasks, self.labels = {}, {}
+        for task in taskpool.task_names:
+            loader = DataLoader(taskpool.load_test_dataset(task), batch_size=taskpool.batch_size, shuffle=False,
+                                collate_fn=default_data_collator)
+            batches = [batch["input_ids"] for batch in loader]
+            texts = [text for batch in loader for text in tokenizer.batch_decode(
+                [remove_special_tokens(tokenizer, label) for label in batch["labels"]], skip_special_tokens=True)]
+            self.tasks[task] = (batches, texts)
+            if taskpool.metric(task) != "accuracy":
+                self.labels[task] = np.array([parsed_number(t) for t in texts])
+
+    @torch.no_grad()
+    def correct(self, model) -> Dict[str, np.ndarray]:
+        model = model.eval()
+        tokenizer = self.taskpool.tokenizer
+        out = {}
+        for task, (batches, texts) in self.tasks.items():
+            outputs = [text for input_ids in batches for text in tokenizer.batch_decode(
+                model.generate(input_ids, max_length=self.taskpool.max_length), skip_special_tokens=True)]
+            out[task] = (np.array([parsed_number(o) for o in outputs]) if task in self.labels
+                         else np.array([o == t for o, t in zip(outputs, texts)]))
         return out

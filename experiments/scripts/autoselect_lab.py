@@ -26,6 +26,7 @@ from diagnostics import machine  # noqa: E402
 LAMBDAS = tuple(10.0**k for k in range(-8, 2))
 RHOS = (0.5, 1.0, 1.5, 2.0, 2.5)
 ALPHAS = (0.15, 0.3, 0.45, 0.6)
+DEFAULT_RULES = "{default: {criterion: objective}, site: {criterion: site, search: grid}}"
 
 
 def lab_for(world: str, n: int, seed: int, runs: Path):
@@ -43,23 +44,30 @@ def lab_for(world: str, n: int, seed: int, runs: Path):
 
 
 def resolution(lab, args, command: str) -> None:
-    """Writes OUT/resolution-<world>-n<n>-seed<seed>.json (each grid point's and rule's per-example test correctness,
-    bit-packed, and the summary), resuming from it."""
+    """Writes OUT/resolution-<world>-n<n>-seed<seed>.json (each grid point's and rule's per-example test records:
+    correctness bit-packed, a regression task's parsed outputs, and the summary), resuming from it. The first
+    point's scores read from its records are checked against the task pool's own evaluation."""
     import numpy as np
     from omegaconf import OmegaConf
 
-    from featcal_experiments.label_resolution import averages, oracle_bias, pack, split_half, unpack
+    from featcal_experiments.label_resolution import (averages, check_against, oracle_bias, restored, split_half,
+                                                      stored)
 
-    if not lab._clip_pool():
-        raise SystemExit(f"resolution reads each test example's correctness from a CLIP task pool; {args.world} has none")
+    records_of = lab.per_example()
+    if records_of is None:
+        raise SystemExit(f"resolution reads each test example's record from a CLIP or text-generation task pool; "
+                         f"{args.world}'s is neither")
     path = args.out / f"resolution-{args.world}-n{args.n}-seed{args.seed}.json"
     data = json.loads(path.read_text()) if path.is_file() else {"points": [], "rules": {}}
-    heads = lab.zero_shot_heads()
+    data["labels"] = {t: [float(v) for v in values] for t, values in records_of.labels.items()}
 
     def record(model) -> dict:
-        hits = heads.correct(model)
-        data["sizes"] = {t: len(h) for t, h in hits.items()}
-        return {t: pack(h.numpy()) for t, h in hits.items()}
+        records = {t: np.asarray(r) for t, r in records_of.correct(model).items()}
+        data["sizes"] = {t: len(r) for t, r in records.items()}
+        if not data["points"]:
+            check_against(records, {t: np.asarray(v) for t, v in data["labels"].items()},
+                          lab.evaluate(model, exact=True))
+        return {t: stored(r, t in data["labels"]) for t, r in records.items()}
 
     done = {(p["lambda_"], p["rho"], p["alpha"]) for p in data["points"]}
     values = [[float(v) for v in s.split(",")] for s in (args.lambdas, args.rhos, args.alphas)]
@@ -68,24 +76,26 @@ def resolution(lab, args, command: str) -> None:
             model, _ = lab.calibrate(args.n, args.seed, lambda_=lam, rho=rho, alpha=alpha)
             data["points"].append({"lambda_": lam, "rho": rho, "alpha": alpha, "correct": record(model)})
             path.write_text(json.dumps(data))
-    for name, options in OmegaConf.to_container(OmegaConf.create(args.rules)).items():
+    rules = args.rules or (DEFAULT_RULES if lab._clip_pool() else "{default: {criterion: objective}}")
+    for name, options in OmegaConf.to_container(OmegaConf.create(rules)).items():
         if name not in data["rules"]:
             model, report = lab.calibrate(args.n, args.seed, auto_select=options)
             data["rules"][name] = {"auto_select": options, "choice": report["auto_select"]["choice"],
                                    "correct": record(model)}
             path.write_text(json.dumps(data))
-    sizes = data["sizes"]
-    grid = {t: np.stack([unpack(p["correct"][t], size) for p in data["points"]]) for t, size in sizes.items()}
-    rules = {name: {t: unpack(r["correct"][t], size) for t, size in sizes.items()} for name, r in data["rules"].items()}
-    scores = averages(grid)
+    sizes, labels = data["sizes"], {t: np.asarray(v) for t, v in data["labels"].items()}
+    grid = {t: np.stack([restored(p["correct"][t], size) for p in data["points"]]) for t, size in sizes.items()}
+    rules = {name: {t: restored(r["correct"][t], size) for t, size in sizes.items()}
+             for name, r in data["rules"].items()}
+    scores = averages(grid, labels=labels)
     best = data["points"][int(np.argmax(scores))]
     data.update(command=command, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
                 world=args.world, n=args.n, seed=args.seed, summary={
                     "grid_points": len(scores), "best": {k: best[k] for k in ("lambda_", "rho", "alpha")},
-                    "rules": {name: float(averages({t: r[None] for t, r in rule.items()})[0])
+                    "rules": {name: float(averages({t: r[None] for t, r in rule.items()}, labels=labels)[0])
                               for name, rule in rules.items()},
-                    **oracle_bias(grid, args.draws, args.seed),
-                    "split_half": split_half(grid, rules, args.splits, args.seed)})
+                    **oracle_bias(grid, args.draws, args.seed, labels),
+                    "split_half": split_half(grid, rules, args.splits, args.seed, labels)})
     path.write_text(json.dumps(data))
     print(json.dumps(data["summary"], indent=1))
 
@@ -121,14 +131,14 @@ def main(argv=None) -> int:
     probe.add_argument("--lambda", dest="lambda_", type=float, required=True)
     probe.add_argument("--rho", type=float, required=True)
     probe.add_argument("--alphas", default="0.15,0.3,0.45,0.6")
-    res = sub.add_parser("resolution", help="CLIP worlds: each test example's correctness over a grid and label-free "
-                         "rules, then the oracle's selection bias and a labelled half-test sweep "
+    res = sub.add_parser("resolution", help="CLIP and text worlds: each test example's record over a grid and "
+                         "label-free rules, then the oracle's selection bias and a labelled half-test sweep "
                          "(featcal_experiments.label_resolution)")
     res.add_argument("--lambdas", default="1e-07,1e-06,1e-05,0.0001,0.001,0.01")
     res.add_argument("--rhos", default="2.0,2.5")
     res.add_argument("--alphas", default="0.3,0.45,0.6")
-    res.add_argument("--rules", default="{default: {criterion: objective}, site: {criterion: site, search: grid}}",
-                     help="name -> method.auto_select options, as YAML")
+    res.add_argument("--rules", default=None, help="name -> method.auto_select options, as YAML (default: "
+                     "the default rule, and on CLIP worlds criterion site too)")
     res.add_argument("--draws", type=int, default=2000, help="bootstrap resamples of the test examples")
     res.add_argument("--splits", type=int, default=500, help="random halvings of the test examples")
     swap = sub.add_parser("swap", help="a variant's per-block choice with one block's values swapped, scored")

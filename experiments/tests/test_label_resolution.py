@@ -78,3 +78,123 @@ def test_the_table_reads_each_builds_seeds_and_the_best_among_given_values(tmp_p
     out = capsys.readouterr().out.splitlines()
     # point 2 (1e-4, rho 2) scores 50: oracle 100 -> 50 behind, oracle 90 -> 40: mean 45, worst 50
     assert out[2] == "| build | 8 | 42, 43 | 1.00 / 1.00 | 0.50 / 0.50 | 45.00 / 50.00 | 0.10 |"
+
+
+def test_spearman_rows_is_scipys_rho_per_row_and_zero_where_undefined():
+    from scipy.stats import spearmanr
+
+    from featcal_experiments.label_resolution import spearman_rows
+
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 6, 40).astype(float)  # ties in the labels, as word counts have
+    outputs = np.stack([labels + rng.integers(-2, 3, 40), rng.integers(0, 3, 40), -labels, np.full(40, 7.0)]).astype(float)
+    rho = spearman_rows(outputs, labels)
+    for row in range(3):
+        assert rho[row] == pytest.approx(spearmanr(outputs[row], labels)[0], abs=1e-12)
+    assert rho[2] == pytest.approx(-1.0)
+    assert rho[3] == 0.0  # constant outputs: scipy's rho is NaN, counted as 0 as the text world counts it
+
+
+def test_a_regression_task_is_scored_by_rho_beside_accuracy_and_a_paired_lead_has_a_bootstrap_error():
+    from scipy.stats import spearmanr
+
+    from featcal_experiments.label_resolution import paired, restored, stored
+
+    rng = np.random.default_rng(5)
+    labels = {"count": rng.integers(0, 10, 60).astype(float)}
+    grid = {"acc": rng.random((3, 50)) < 0.6, "count": labels["count"] + rng.normal(0, [[1.0], [3.0], [9.0]], (3, 60))}
+    for row in range(3):
+        by_hand = 100 * (grid["acc"][row].mean() + spearmanr(grid["count"][row], labels["count"])[0]) / 2
+        assert averages(grid, labels=labels)[row] == pytest.approx(by_hand)
+    a, b = ({t: c[i] for t, c in grid.items()} for i in (0, 2))
+    lead = paired(a, b, draws=300, seed=0, labels=labels)
+    scores = averages(grid, labels=labels)
+    assert lead["difference"] == pytest.approx(scores[0] - scores[2])
+    assert 0 < lead["se"] < abs(lead["difference"])
+    assert paired(a, a, draws=50, seed=0, labels=labels) == {"difference": 0.0, "se": 0.0}
+    np.testing.assert_array_equal(restored(stored(grid["count"][1], True), 60), grid["count"][1])
+    np.testing.assert_array_equal(restored(stored(grid["acc"][1], False), 50), grid["acc"][1])
+
+
+def test_the_text_records_read_as_the_text_task_pool_scores(monkeypatch):
+    """TextEvaluation's per-example records, averaged, give TextGenerationTaskPool's scores: exact match, and
+    Spearman's rho of parsed outputs (an unparsable output reads 0.0), on a stand-in model whose answers are known."""
+    import lightning as L
+    import torch
+    from datasets import Dataset
+    from transformers import ByT5Tokenizer
+
+    from featcal_experiments.autoselect_lab import TextEvaluation
+    from featcal_experiments.label_resolution import check_against
+    from featcal_experiments.reproduce.render import scores
+    from featcal_fusionbench.evaluation.text_taskpool import TextGenerationTaskPool
+
+    tokenizer = ByT5Tokenizer()
+    answers = {"colour": ["red", "blue", "red", "green", "blue", "red", "blue"],
+               "count": ["3", "1", "4", "x", "5", "9", "2"]}
+    truths = {"colour": ["red", "blue", "blue", "green", "red", "red", "blue"],
+              "count": ["2", "1", "5", "3", "4", "8", "1"]}
+    datasets, replies = {}, {}
+    for task in answers:
+        prompts = [f"{task} {k}" for k in range(7)]
+        encoded = tokenizer(prompts, padding="max_length", max_length=12)
+        label_ids = tokenizer(truths[task], padding="max_length", max_length=6)["input_ids"]
+        encoded["labels"] = [[t if t != tokenizer.pad_token_id else -100 for t in row] for row in label_ids]
+        datasets[task] = Dataset.from_dict(dict(encoded))
+        replies.update({tuple(ids): a for ids, a in zip(encoded["input_ids"], answers[task])})
+
+    class Answering(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, max_length):
+            out = [tokenizer(replies[tuple(row.tolist())])["input_ids"] for row in input_ids]
+            width = max(map(len, out))
+            return torch.tensor([[tokenizer.pad_token_id] + ids + [tokenizer.pad_token_id] * (width - len(ids))
+                                 for ids in out])
+
+    pool = TextGenerationTaskPool(datasets, tokenizer=tokenizer, regression_tasks=["count"], batch_size=3)
+    pool._fabric_instance = L.Fabric(accelerator="cpu", devices=1)
+    model = Answering()
+    text = TextEvaluation(pool)
+    records = text.correct(model)
+    np.testing.assert_array_equal(records["colour"], [a == t for a, t in zip(answers["colour"], truths["colour"])])
+    np.testing.assert_array_equal(records["count"], [3, 1, 4, 0, 5, 9, 2])
+    np.testing.assert_array_equal(text.labels["count"], [2, 1, 5, 3, 4, 8, 1])
+    exact = scores(pool.evaluate(model))
+    check_against(records, text.labels, exact)
+    with pytest.raises(AssertionError, match="colour"):
+        check_against({**records, "colour": ~records["colour"]}, text.labels, exact)
+
+
+def test_the_table_gives_each_rules_lead_over_a_reference_point_with_its_error(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import resolution_table
+
+    rng = np.random.default_rng(6)
+    sizes, labels = {"acc": 80, "count": 40}, rng.integers(0, 9, 40).astype(float)
+    rows = [{"acc": rng.random(80) < p, "count": labels + rng.normal(0, s, 40)} for p, s in ((0.5, 2.0), (0.7, 1.0))]
+
+    def entry(row):
+        return {"acc": pack(row["acc"]), "count": [float(v) for v in row["count"]]}
+
+    data = {"n": 32, "seed": 42, "sizes": sizes, "labels": {"count": labels.tolist()},
+            "points": [{"lambda_": 1e-5, "rho": 2.0, "alpha": 0.6, "correct": entry(rows[0])},
+                       {"lambda_": 1e-5, "rho": 2.0, "alpha": 1.0, "correct": entry(rows[1])}],
+            "rules": {"default": {"correct": entry(rows[1])}},
+            "summary": {"oracle": 60.0, "bias": 0.1, "rules": {"default": 59.0},
+                        "split_half": {"sweep": {"mean": 59.5}}}}
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "file.json").write_text(json.dumps(data))
+    resolution_table.main(["--reference", "lambda_=1e-05 alpha=0.6", str(tmp_path / "t5" / "file.json")])
+    line = capsys.readouterr().out.splitlines()[-1]
+    scores = averages({t: np.stack([r[t] for r in rows]) for t in sizes}, labels={"count": labels})
+    assert line.startswith(f"| t5 | 32 | 42 | default | {scores[1] - scores[0]:.2f} | ")
+    assert float(line.split("|")[-2]) > 0
+    with pytest.raises(SystemExit, match="2 grid points"):
+        resolution_table.main(["--reference", "lambda_=1e-05", str(tmp_path / "t5" / "file.json")])
