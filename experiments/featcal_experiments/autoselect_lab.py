@@ -322,9 +322,11 @@ class TextEvaluation:
         for task in taskpool.task_names:
             loader = DataLoader(taskpool.load_test_dataset(task), batch_size=taskpool.batch_size, shuffle=False,
                                 collate_fn=default_data_collator)
-            batches = [batch["input_ids"] for batch in loader]
-            texts = [text for batch in loader for text in tokenizer.batch_decode(
-                [remove_special_tokens(tokenizer, label) for label in batch["labels"]], skip_special_tokens=True)]
+            batches, texts = [], []
+            for batch in loader:
+                batches.append(batch["input_ids"])
+                texts += tokenizer.batch_decode([remove_special_tokens(tokenizer, label) for label in batch["labels"]],
+                                                skip_special_tokens=True)
             self.tasks[task] = (batches, texts)
             if taskpool.metric(task) != "accuracy":
                 self.labels[task] = np.array([parsed_number(t) for t in texts])

@@ -130,3 +130,10 @@ def stored(records: np.ndarray, regression: bool):
 def restored(value, size: int) -> np.ndarray:
     """``stored``'s inverse."""
     return np.asarray(value, dtype=np.float64) if isinstance(value, list) else unpack(value, size)
+
+
+def file_records(data: Mapping, entries) -> tuple:
+    """From a lab resolution file's content: per task, the (entries, examples) records of its grid points or rules
+    ``entries`` (each with its ``correct``), and the regression tasks' labels."""
+    labels = {t: np.asarray(v) for t, v in data.get("labels", {}).items()}
+    return {t: np.stack([restored(e["correct"][t], n) for e in entries]) for t, n in data["sizes"].items()}, labels

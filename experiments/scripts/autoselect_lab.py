@@ -50,7 +50,7 @@ def resolution(lab, args, command: str) -> None:
     import numpy as np
     from omegaconf import OmegaConf
 
-    from featcal_experiments.label_resolution import (averages, check_against, oracle_bias, restored, split_half,
+    from featcal_experiments.label_resolution import (averages, check_against, file_records, oracle_bias, split_half,
                                                       stored)
 
     records_of = lab.per_example()
@@ -83,10 +83,10 @@ def resolution(lab, args, command: str) -> None:
             data["rules"][name] = {"auto_select": options, "choice": report["auto_select"]["choice"],
                                    "correct": record(model)}
             path.write_text(json.dumps(data))
-    sizes, labels = data["sizes"], {t: np.asarray(v) for t, v in data["labels"].items()}
-    grid = {t: np.stack([restored(p["correct"][t], size) for p in data["points"]]) for t, size in sizes.items()}
-    rules = {name: {t: restored(r["correct"][t], size) for t, size in sizes.items()}
-             for name, r in data["rules"].items()}
+    grid, labels = file_records(data, data["points"])
+    names = list(data["rules"])
+    by_rule = file_records(data, [data["rules"][name] for name in names])[0] if names else {}
+    rules = {name: {t: r[i] for t, r in by_rule.items()} for i, name in enumerate(names)}
     scores = averages(grid, labels=labels)
     best = data["points"][int(np.argmax(scores))]
     data.update(command=command, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),

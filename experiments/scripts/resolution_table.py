@@ -20,36 +20,26 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def records(data, entries):
-    """Per task, the (entries, examples) records of ``data``'s grid points or rules ``entries``, and the labels."""
-    import numpy as np
-
-    from featcal_experiments.label_resolution import restored
-
-    labels = {t: np.asarray(v) for t, v in data.get("labels", {}).items()}
-    return {t: np.stack([restored(e["correct"][t], n) for e in entries]) for t, n in data["sizes"].items()}, labels
-
-
 def among_best(data, among) -> float:
     """The best score of ``data``'s grid points whose values are all in ``among`` (key -> allowed values)."""
-    from featcal_experiments.label_resolution import averages
+    from featcal_experiments.label_resolution import averages, file_records
 
     points = [p for p in data["points"] if all(p[k] in values for k, values in among.items())]
     if not points:
         raise SystemExit(f"no grid point has {among}")
-    grid, labels = records(data, points)
+    grid, labels = file_records(data, points)
     return float(averages(grid, labels=labels).max())
 
 
 def against_reference(data, reference, draws: int = 2000):
     """(rule, its lead over the grid point ``reference``, the bootstrap's standard error of that lead) per rule."""
-    from featcal_experiments.label_resolution import paired
+    from featcal_experiments.label_resolution import file_records, paired
 
     point = [p for p in data["points"] if all(p[k] == v for k, v in reference.items())]
     if len(point) != 1:
         raise SystemExit(f"{len(point)} grid points have {reference}; --reference must name one")
     names = list(data["rules"])
-    grid, labels = records(data, point + [data["rules"][name] for name in names])
+    grid, labels = file_records(data, point + [data["rules"][name] for name in names])
     for i, name in enumerate(names, start=1):
         lead = paired({t: r[i] for t, r in grid.items()}, {t: r[0] for t, r in grid.items()}, draws, data["seed"],
                       labels)
