@@ -22,7 +22,7 @@ from featcal_fusionbench.core.objective import HeldoutObjective
 from featcal_fusionbench.autoselect.options import PATCH_WEIGHT, SelectionOptions, candidate_key, with_candidate
 from featcal_fusionbench.core.sampling import fold_of, heldout_split
 
-from helpers import tiny_causal_lm_world, tiny_world
+from helpers import tiny_causal_lm_world, tiny_t5_world, tiny_world
 from test_algorithm import SpyUpstream, load_pool, make
 
 SMALL_GRID = {"lambda_": [1e-3, 0.05, 1.0], "rho": [1.0, 2.0], "alpha": [0.3, 0.6]}
@@ -433,6 +433,76 @@ def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_r
     assert "the held-out feature site's cosine" in describe_choice(auto)
 
 
+def _t5_rows(world):
+    """Each task's examples of a tiny T5 world padded to one width, one dict per example."""
+    return {t: [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["input_ids"]))]
+            for t, batches in world[3].items()}
+
+
+def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation():
+    """On T5 (a row per target token at its feature site) ``site`` reads what the text task pool scores: per
+    held-out example, the probability the task's expert gives the calibrated copy's greedy output, recomputed here
+    with HF's own loss on each generation (each half of 12 examples per task held out in turn). The alpha stage
+    scores the alphas at or above the method's; criterion site, given the same lambda, rho and split, scores each
+    alpha as the stage does."""
+    from dataclasses import replace
+
+    from featcal_fusionbench.autoselect.search import ExpertProbability, alpha_site, choose_alpha
+
+    world = tiny_t5_world(batches=4, pad_to=12, target_pad_to=8)
+    base, experts, merged, _ = world
+    datasets = _t5_rows(world)
+    family = family_for(base)
+    site = alpha_site(family, None, base)
+    assert isinstance(site, ExpertProbability)
+    hp = FeatCalHParams(alpha=0.6)
+    common = {"seed": 0, "noise_z": 0.0, "heldout_fraction": 0.5, "site_parts": "all"}
+
+    def make_engine(hp, family, search=False, **kwargs):
+        return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
+
+    options = SelectionOptions.parse({**common, "alpha_criterion": "site", "grid": {"alpha": [0.3, 0.6, 1.0]}})
+    stage = choose_alpha(make_engine, family, options, hp, {"lambda_": (1e-3,), "rho": (2.0,), "alpha": (0.3, 0.6, 1.0)},
+                         merged, base, experts, datasets, _batches_of, torch.device("cpu"), 0, site=site)
+    assert stage["measure"] == "the experts' probability of the held-out generations"
+    assert set(stage["scores"]) == {"0.6", "1"} and stage["folds"] == 2  # none below the method's
+    output = family.output_site()
+    parts = fold_datasets(datasets, 2, 0)[0]
+    probability = {t: [] for t in experts}
+    for k in range(2):
+        model = copy.deepcopy(merged)
+        FeatCalEngine(family, replace(hp, lambda_=1e-3, alpha=1.0), "cpu", progress=False).run(
+            model, base, experts, {t: _batches_of(ps[1 - k]) for t, ps in parts.items()})
+        with torch.no_grad():
+            for t, expert in experts.items():
+                for batch in _batches_of(parts[t][k]):
+                    for i, out in enumerate(output.generate(model, batch)):
+                        ended = (out[1:] == 1).nonzero()
+                        labels = out[1:][: int(ended[0]) + 1 if len(ended) else None][None]
+                        loss = expert(input_ids=batch["input_ids"][i:i + 1],
+                                      attention_mask=batch["attention_mask"][i:i + 1], labels=labels).loss
+                        probability[t].append(float(torch.exp(-loss * labels.shape[1])))
+    expected = sum(sum(v) / len(v) for v in probability.values()) / len(probability)
+    assert stage["scores"]["1"] == pytest.approx(expected, rel=1e-4)
+
+    options = SelectionOptions.parse({**common, "criterion": "site",
+                                      "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.6, 1.0]}})
+    auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base,
+                          experts, datasets, _batches_of, torch.device("cpu"), site=site)["auto_select"]
+    assert {k.split(",")[2]: c["score"] for k, c in auto["candidates"].items()} == pytest.approx(
+        {f"alpha={a}": v for a, v in stage["scores"].items()}, rel=1e-6)
+    assert auto["alpha"]["measure"] == stage["measure"] and stage["measure"] in describe_choice(auto)
+
+
+def test_site_parts_all_holds_out_each_part_in_turn_at_any_number_of_examples():
+    parts = {"alpha": lambda **o: SelectionOptions.parse({"alpha_criterion": "site", **o}).site_folds,
+             "site": lambda **o: SelectionOptions.parse({"criterion": "site", **o}).site_folds}
+    assert [parts["alpha"]()(n) for n in (32, 64, 65, 256)] == [4, 4, 1, 1]  # auto, alpha_criterion's default
+    assert [parts["alpha"](site_parts="all")(n) for n in (32, 256)] == [4, 4]
+    assert [parts["site"]()(n) for n in (32, 256)] == [1, 1]
+    assert parts["site"](site_parts="all", heldout_fraction=0.125)(256) == 8
+
+
 def test_the_alpha_stage_by_the_feature_site_needs_one_row_per_example_and_a_pool_with_the_projection():
     from featcal_fusionbench.autoselect.search import alpha_site
 
@@ -789,6 +859,8 @@ def test_auto_select_off_runs_no_search(toy_world, tmp_path):
 
 
 def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
+    from dataclasses import replace
+
     import fusion_bench_config
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -802,6 +874,7 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
         t5 = compose("fabric_model_fusion", overrides=["method=featcal/auto_flan_t5_ta"]).method
         site = compose("fabric_model_fusion", overrides=["method=featcal/auto_clip_site"]).method
         paper_t5 = compose("fabric_model_fusion", overrides=["method=featcal/flan_t5_ta"]).method
+        t5_site = compose("fabric_model_fusion", overrides=["method=featcal/auto_flan_t5_site"]).method
         runs = [compose("fabric_model_fusion", overrides=["method=featcal", f"method.lambda_={v}"]).method for v in values]
     GlobalHydra.instance().clear()
     options = SelectionOptions.parse(OmegaConf.to_container(auto.auto_select))
@@ -814,6 +887,10 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     site_options = SelectionOptions.parse(OmegaConf.to_container(site.auto_select))
     assert site_options.criterion == "site" and site_options.search == "grid" and not site_options.grid
     assert {k: v for k, v in site.items() if k != "auto_select"} == {k: v for k, v in auto.items() if k != "auto_select"}
+    # the T5 alpha one: the T5 one, with alpha first among the paper's and those above it, every part held out
+    t5_site_options = SelectionOptions.parse(OmegaConf.to_container(t5_site.auto_select))
+    assert t5_site_options == replace(options, alpha_criterion="site", site_parts="all", grid={"alpha": [0.6, 0.8, 1.0]})
+    assert {k: v for k, v in t5_site.items() if k != "auto_select"} == {k: v for k, v in t5.items() if k != "auto_select"}
 
 
 def test_solutions_over_rho_equal_a_solve_at_each_rho():

@@ -184,3 +184,36 @@ def test_a_merge_saved_by_fusionbenchs_seq2seq_pool_is_read_back_as_the_merged_m
     (tmp_path / "text").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="not a state dict torch.load reads"):
         load_saved_model(str(tmp_path / "text"), base)
+
+
+def test_the_output_site_is_the_greedy_generation_and_the_experts_probability_of_it():
+    """auto_select's site on T5: the greedy output as FusionBench's text pool generates it (max_length 10), and an
+    expert's probability of it, checked against HF's own paths: for the model's own output, the product of the
+    normalised scores ``compute_transition_scores`` gives; for a hand-made output whose end-of-sequence token is
+    followed by padding, exp(-(HF's per-example mean loss) x its token count) on the labels up to that end."""
+    from featcal_fusionbench.families.t5 import GENERATION_MAX_LENGTH
+
+    base, experts, _merged, data = tiny_t5_world()
+    output, expert, batch = T5Family().output_site(), experts["task0"], data["task0"][0]
+    generated = output.generate(expert, batch)
+    assert generated.shape[1] <= GENERATION_MAX_LENGTH == 10
+    again = expert.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_length=10,
+                            do_sample=False, output_scores=True, return_dict_in_generate=True)
+    torch.testing.assert_close(again.sequences, generated)
+    steps = expert.compute_transition_scores(again.sequences, again.scores, normalize_logits=True)
+    ended = torch.cat([torch.zeros_like(generated[:, :1]), (generated[:, 1:-1] == 1).long().cumsum(-1)], -1) > 0
+    own = torch.where(ended, 0.0, steps).sum(-1).exp()  # a finished row's padding is scored 0 by generate, kept out
+    torch.testing.assert_close(output.probability(expert, batch, generated), own, rtol=1e-4, atol=1e-7)
+
+    rows = batch["input_ids"].shape[0]
+    made = torch.zeros(rows, 7, dtype=torch.long)  # start token, 2..4 tokens, end (1), then padding
+    for i in range(rows):
+        made[i, 1:3 + i] = torch.arange(5 + i, 7 + 2 * i)
+        made[i, 3 + i] = 1
+    got = output.probability(base, batch, made)
+    for i in range(rows):
+        labels = made[i:i + 1, 1:4 + i]
+        loss = base(input_ids=batch["input_ids"][i:i + 1], attention_mask=batch["attention_mask"][i:i + 1],
+                    labels=labels).loss
+        torch.testing.assert_close(got[i], torch.exp(-loss * labels.shape[1]), rtol=1e-4, atol=1e-9)
+    assert bool(((got > 0) & (got <= 1)).all())

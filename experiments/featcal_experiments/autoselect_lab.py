@@ -173,17 +173,20 @@ class Lab:
         return {"scores": result, "average": result["average"], "report": report}
 
 
-def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams) -> List[Dict[str, Any]]:
+def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool = True,
+                **hparams) -> List[Dict[str, Any]]:
     """Per alpha at fixed ``hparams`` (lambda_, rho): the end-of-model criteria after a calibration on the fit part
     of ``auto_select``'s split (the last block's mean cosine to the experts' on the held-out part, all tokens and the
-    family's feature site, and the head's argmax agreement where the family has a head), and the test score of the
-    calibration on all examples: does a label-free end-of-model criterion rank alpha as the test labels do?"""
+    family's feature site, the head's argmax agreement where the family has a head; for a generating family the
+    greedy output's agreement with the expert's and the expert's probability of it, criterion ``site``'s score
+    there), and (``test``) the test score of the calibration on all
+    examples: does a label-free end-of-model criterion rank alpha as the test labels do?"""
     from dataclasses import replace
 
     import torch.nn.functional as F
 
     from featcal_fusionbench.autoselect.options import SelectionOptions
-    from featcal_fusionbench.autoselect.search import AlphaSite, HeldoutReference, split_datasets
+    from featcal_fusionbench.autoselect.search import AlphaSite, ExpertProbability, HeldoutReference, split_datasets
     from featcal_fusionbench.engine.loop import FeatCalEngine
 
     algorithm, datasets, base, experts, family, merged = lab.prepare(n, seed)
@@ -203,6 +206,16 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
     site = AlphaSite(family.feature_site(lab.modelpool, merged)).hold_out(family, experts, held_batches, device)
     heads = lab.zero_shot_heads() if lab._clip_pool() else None
     expert_logits = {t: heads.logits(e, t, held_batches(t)) for t, e in experts.items()} if heads else None
+    output = family.output_site()  # a generating family: what its task pool scores, and the expert's probability
+    if output is not None:
+        probability = ExpertProbability(output).hold_out(family, experts, held_batches, device)
+        decode = lab.taskpool.tokenizer.batch_decode
+
+        def generated(model, task):
+            return [text for b in held_batches(task) for text in decode(output.generate(model, b),
+                                                                        skip_special_tokens=True)]
+
+        expert_texts = {t: generated(e, t) for t, e in experts.items()}
     drift = HeldoutReference(family, experts, held_batches, device, "drift")
     agreement = HeldoutReference(family, experts, held_batches, device, "agreement")
 
@@ -216,19 +229,29 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], **hparams)
     for alpha in alphas:
         model = calibrated(fit, alpha)
         per_task = {"drift": drift.score(family, model, held_batches),
-                    "site": {t: float(c.mean()) for t, c in site.example_cosines(family, model, held_batches).items()}}
+                    "site": {t: float(c.mean()) for t, c in site.example_scores(family, model, held_batches).items()}}
         if agreement.criterion == "agreement":
             per_task["agreement"] = agreement.score(family, model, held_batches)
         if heads:  # the task's zero-shot head (class names, no example's label) read on the held-out images
             logits = {t: heads.logits(model, t, held_batches(t)) for t in experts}
             per_task["head_agreement"] = {t: float((logits[t].argmax(-1) == expert_logits[t].argmax(-1)).float().mean())
                                           for t in experts}
+            per_task["head_expert_probability"] = {
+                t: float(expert_logits[t].softmax(-1).gather(-1, logits[t].argmax(-1, keepdim=True)).mean())
+                for t in experts}
             per_task["head_kl"] = {t: float(F.kl_div(logits[t].log_softmax(-1), expert_logits[t].log_softmax(-1),
                                                      log_target=True, reduction="batchmean")) for t in experts}
+        if output is not None:  # greedy generation as the task pool generates, on the held-out inputs
+            per_task["generation_agreement"] = {
+                t: float(np.mean([a == b for a, b in zip(generated(model, t), expert_texts[t])])) for t in experts}
+            per_task["expert_probability"] = {t: float(c.mean()) for t, c in probability.example_scores(
+                family, model, held_batches).items()}
         del model
-        test = lab.evaluate(calibrated(datasets, alpha))
-        out.append({"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()},
-                    "per_task": per_task, "test": test["average"], "test_per_task": test})
+        row = {"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()}, "per_task": per_task}
+        if test:
+            scored = lab.evaluate(calibrated(datasets, alpha))
+            row.update(test=scored["average"], test_per_task=scored)
+        out.append(row)
     return out
 
 

@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     probe.add_argument("--lambda", dest="lambda_", type=float, required=True)
     probe.add_argument("--rho", type=float, required=True)
     probe.add_argument("--alphas", default="0.15,0.3,0.45,0.6")
+    probe.add_argument("--no-test", dest="test", action="store_false",
+                       help="the held-out criteria only (no calibration on all examples, no test score)")
     res = sub.add_parser("resolution", help="CLIP and text worlds: each test example's record over a grid and "
                          "label-free rules, then the oracle's selection bias and a labelled half-test sweep "
                          "(featcal_experiments.label_resolution)")
@@ -204,8 +206,8 @@ def main(argv=None) -> int:
     elif args.command == "alpha-probe":
         from featcal_experiments.autoselect_lab import alpha_probe
 
-        rows = alpha_probe(lab, args.n, args.seed, [float(a) for a in args.alphas.split(",")], lambda_=args.lambda_,
-                           rho=args.rho)
+        rows = alpha_probe(lab, args.n, args.seed, [float(a) for a in args.alphas.split(",")], test=args.test,
+                           lambda_=args.lambda_, rho=args.rho)
         out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "world": args.world, "n": args.n, "seed": args.seed, "lambda_": args.lambda_, "rho": args.rho,
                "rows": rows}

@@ -14,18 +14,19 @@ Four criteria score a candidate on calibration examples that its solve did not s
 - ``agreement`` (higher is better): how often the calibrated model's prediction (argmax of the family's head) equals
   the task expert's on held-out tokens; families without a head (CLIP vision towers: the zero-shot head lives in the
   task pool) fall back to ``drift`` and the report says so.
-- ``site`` (higher is better; image families): the mean cosine of the calibrated model's held-out features at the
-  family's feature site (the projected image embedding that CLIP's and OpenCLIP's zero-shot heads read) to the task
-  expert's, one (lambda, alpha) for the model: by default ``SITE_LAMBDAS`` x the method's alpha and those of
-  ``ALPHA_CANDIDATES`` above it, at the method's rho. The alpha the site prefers follows the lambda it is scored at
+- ``site`` (higher is better; image families and T5): the mean cosine of the calibrated model's held-out features
+  at the family's feature site (the projected image embedding that CLIP's and OpenCLIP's zero-shot heads read) to
+  the task expert's (on T5, whose feature site has a row per token: the expert's probability of the model's greedy
+  output, what the text task pool scores), one (lambda, alpha) for the model: by default ``SITE_LAMBDAS`` x the
+  method's alpha and those of ``ALPHA_CANDIDATES`` above it, at the method's rho. The alpha the site prefers follows the lambda it is scored at
   (docs/featcal.md), so the two are chosen together, and the final calibration runs that point in every block.
 
 ``alpha_criterion: drift`` chooses alpha for ``objective`` (which cannot): one alpha for the whole model, the one
 whose calibration on a fit part of each task's examples leaves the last block's output on the held-out part closest
 to the experts' (``drift``'s score), the method's alpha kept unless beaten by more than ``noise_z`` standard errors.
 ``alpha_criterion: site`` scores at the family's feature site instead (one row per example: the projected image
-embedding that CLIP's and OpenCLIP's zero-shot heads read), for those families only, the method's alpha and those
-above it, each after a calibration of the fit part at the least shrinkage (no per-block search in the stage; up
+embedding that CLIP's and OpenCLIP's zero-shot heads read; on T5 the expert's probability of the greedy output),
+for those families only, the method's alpha and those above it, each after a calibration of the fit part at the least shrinkage (no per-block search in the stage; up
 to ``FEW_EXAMPLES`` examples per task each quarter is held out in turn, a calibration per alpha and quarter).
 """
 
@@ -43,7 +44,8 @@ from ..core.sampling import check_fold_sizes, check_split_sizes
 CRITERIA: Dict[str, bool] = {"objective": False, "drift": True, "agreement": True, "site": True}
 #: how criterion objective's alpha is chosen: ``none`` keeps the method's (or searches ``grid.alpha`` per block on
 #: the objective, which favours the largest); ``drift``: one alpha for the model, by held-out end-of-model drift;
-#: ``site``: the same, by the held-out cosine at the family's feature site (image families)
+#: ``site``: the same, by the held-out cosine at the family's feature site (image families; on T5 the experts'
+#: probability of the held-out generations)
 ALPHA_CRITERIA = ("none", "drift", "site")
 #: alpha_criterion drift's candidates (with the method's own): the paper's 0.15 (LLMs), 0.3 (CLIP), 0.6 (FLAN-T5)
 #: and the 0.45 between, where the offline CLIP worlds' test labels peak at 256 examples per task
@@ -93,7 +95,8 @@ class SelectionOptions:
     alpha among ``grid.alpha`` (default ``ALPHA_CANDIDATES``) and the method's (``site``: those at or above the
     method's), before the per-block search, on a ``heldout_fraction`` split. Criteria ``drift`` / ``agreement`` /
     ``site``: ``heldout_fraction`` of each task's examples is held out; ``site_parts`` (criterion or alpha_criterion
-    ``site``): ``auto`` holds out each such part in turn up to ``FEW_EXAMPLES`` examples per task, ``1`` one part,
+    ``site``): ``auto`` holds out each such part in turn up to ``FEW_EXAMPLES`` examples per task, ``all`` at any
+    number (a calibration per part: four times the stage's at the default quarter), ``1`` one part,
     null the criterion's default (``site_folds``). ``seed``: the folds' or the split's (null: the method's
     ``seed``).
     """
@@ -126,9 +129,10 @@ class SelectionOptions:
             problems.append(f"widen must be true or false, got {self.widen!r}")
         if not isinstance(self.least_shrinkage, bool):
             problems.append(f"least_shrinkage must be true or false, got {self.least_shrinkage!r}")
-        if self.site_parts not in (None, "auto", 1) or isinstance(self.site_parts, bool):
+        if self.site_parts not in (None, "auto", "all", 1) or isinstance(self.site_parts, bool):
             problems.append(f"site_parts must be null (the criterion's default), auto (each part held out in turn up "
-                            f"to {FEW_EXAMPLES} examples per task) or 1 (one held-out part), got {self.site_parts!r}")
+                            f"to {FEW_EXAMPLES} examples per task), all (each part in turn at any number) or 1 (one "
+                            f"held-out part), got {self.site_parts!r}")
         if self.site_parts is not None and "site" not in (self.criterion, self.alpha_criterion):
             problems.append(f"site_parts is given ({self.site_parts!r}) but neither criterion nor alpha_criterion is "
                             f"'site', which alone read it")
@@ -183,12 +187,13 @@ class SelectionOptions:
     def site_folds(self, num_examples: int) -> int:
         """How many held-out parts the feature site scores. ``site_parts: auto`` (alpha_criterion site's default): up
         to ``FEW_EXAMPLES`` examples per task each of ``1 / heldout_fraction`` parts in turn (every example scored
-        once), above one ``heldout_fraction``; ``1`` (criterion site's default): one ``heldout_fraction`` at every n.
+        once), above one ``heldout_fraction``; ``all``: each part in turn at every n; ``1`` (criterion site's
+        default): one ``heldout_fraction`` at every n.
         Why the defaults differ: alpha_criterion site scores a calibration per alpha, criterion site one per point
         of its grid, and each part in turn met issue 61's targets for criterion site on no more of the Xeon builds
         (at 8 and 32 examples per task) at four times the cost (docs/featcal.md)."""
         parts = self.site_parts if self.site_parts is not None else 1 if self.criterion == "site" else "auto"
-        if parts == 1 or num_examples > FEW_EXAMPLES:
+        if parts == 1 or (parts == "auto" and num_examples > FEW_EXAMPLES):
             return 1
         return max(2, round(1.0 / self.heldout_fraction))
 

@@ -15,8 +15,9 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   method's by more than ``noise_z`` standard errors, and the pass above runs with it. ``alpha_criterion: site``:
   the same split and rule, each alpha at or above the method's scored by the cosine of its held-out features at the
   family's feature site (one row per example, ``AlphaSite``: the projected image embedding that CLIP's zero-shot
-  heads read) to the experts', each after a calibration of the fit part with fixed lambda and rho; up to 64
-  examples per task every quarter is held out in turn (``site_stage``).
+  heads read) to the experts' (on T5, whose site has a row per token, ``ExpertProbability``: the expert's
+  probability of the model's greedy output), each after a calibration of the fit part with fixed lambda and rho; up
+  to 64 examples per task every quarter is held out in turn (``site_stage``).
 - criteria ``drift`` / ``agreement`` / ``site``: each task's examples split into a fit and a held-out part; one
   calibration of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the
   held-out part's last-block outputs against the experts' (``site``: its rows at the family's feature site, as
@@ -137,11 +138,16 @@ class AlphaSite:
     every candidate."""
 
     criterion = "site"
+    measure = "the held-out feature site's cosine"
 
     def __init__(self, site):
         self.site = site
         self.rows: Dict[str, torch.Tensor] = {}
         self.device = None
+
+    def fresh(self) -> "AlphaSite":
+        """The same site without held-out rows, for another held-out part."""
+        return AlphaSite(self.site)
 
     def hold_out(self, family, experts, held_batches, device) -> "AlphaSite":
         """Compute the experts' rows on their tasks' held-out batches, the reference of every alpha."""
@@ -155,17 +161,55 @@ class AlphaSite:
         with on_device([model], device):  # the whole tower: a lazy expert is read, used and released
             return torch.cat([self.site.features(model, family.inputs_to(b, device)).float().cpu() for b in batches])
 
-    def example_cosines(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
-        """Per task, each held-out example's cosine of ``model``'s row to the expert's (``HeldoutReference``'s
-        signature, so the alpha stage scores either alike)."""
+    def example_scores(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
+        """Per task, each held-out example's cosine of ``model``'s row to the expert's (higher is nearer;
+        ``HeldoutReference``'s and ``ExpertProbability``'s signature, so the alpha stage scores any alike)."""
         return {task: torch.nn.functional.cosine_similarity(
                     self.features(family, model, held_batches(task), self.device), reference, dim=-1)
                 for task, reference in self.rows.items()}
 
 
-def alpha_site(family: ModelFamily, modelpool, base: nn.Module) -> AlphaSite:
-    """The feature site of criterion or ``alpha_criterion`` ``site``, or a ValueError naming why this model has none
-    (before the merge)."""
+class ExpertProbability:
+    """``site`` on a generating family whose feature site has a row per token (FLAN-T5): per held-out example, the
+    probability the task's expert gives the model's greedy output (``OutputSite``). Were the expert's probabilities
+    its accuracy, this would be the model's expected accuracy on the task, read without a label; a task the expert
+    cannot do (every output improbable) weighs little, where agreement with its argmax would count in full."""
+
+    criterion = "site"
+    measure = "the experts' probability of the held-out generations"
+
+    def __init__(self, output):
+        self.output = output
+        self.experts: Mapping[str, nn.Module] = {}
+        self.device = None
+
+    def fresh(self) -> "ExpertProbability":
+        return ExpertProbability(self.output)
+
+    def hold_out(self, family, experts, held_batches, device) -> "ExpertProbability":
+        """Nothing to compute ahead: the expert's probability is of each candidate's own output."""
+        self.experts, self.device = experts, device
+        return self
+
+    @torch.no_grad()
+    def example_scores(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
+        out = {}
+        for task, expert in self.experts.items():
+            batches = [family.inputs_to(b, self.device) for b in held_batches(task)]
+            with on_device([model], self.device):
+                outputs = [self.output.generate(model, b) for b in batches]
+            with on_device([expert], self.device):
+                out[task] = torch.cat([self.output.probability(expert, b, o).float().cpu()
+                                       for b, o in zip(batches, outputs)])
+        return out
+
+
+def alpha_site(family: ModelFamily, modelpool, base: nn.Module):
+    """What criterion or ``alpha_criterion`` ``site`` scores (``AlphaSite``, or ``ExpertProbability`` for a family
+    with an ``output_site``), or a ValueError naming why this model has neither (before the merge)."""
+    output = family.output_site()
+    if output is not None:
+        return ExpertProbability(output)
     try:
         site = family.feature_site(modelpool, base)
     except TypeError as error:
@@ -174,14 +218,14 @@ def alpha_site(family: ModelFamily, modelpool, base: nn.Module) -> AlphaSite:
     if not site.one_row_per_example:
         raise ValueError(
             f"auto_select 'site' (criterion or alpha_criterion) compares one feature row per example (the image "
-            f"families: CLIP, OpenCLIP); the {family.name} family's site has one row per token. Use criterion "
-            f"objective with alpha_criterion=none (or drift; not on T5, where held-out drift ranks alpha in reverse)"
+            f"families: CLIP, OpenCLIP) or a generated output (T5); the {family.name} family's site has one row "
+            f"per token. Use criterion objective with alpha_criterion=none (or drift)"
         )
     return AlphaSite(site)
 
 
 def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
-                 datasets, batches_of, device, seed, site: Optional[AlphaSite] = None, shard=(0, 1)) -> Dict[str, Any]:
+                 datasets, batches_of, device, seed, site=None, shard=(0, 1)) -> Dict[str, Any]:
     """The alpha stage's report (``chosen`` among it). The per-block objective cannot rank alpha (it scores against
     the experts' own features and favours the largest), so alpha is scored where its effect shows: at the end of the
     model, after every block has calibrated on inputs that earlier blocks' alpha shaped. ``drift``: lambda and rho
@@ -203,7 +247,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
     report, _, _ = calibrate_per_block(make_engine, family, hp, options, {**grid, "alpha": (hp.alpha,)}, model, base,
                                        experts, parts, lambda part: made[id(part)], trial=True)
     schedule = [replace(hp, **entry["hparams"]) for entry in report["blocks"]]
-    per_example = {hp.alpha: reference.example_cosines(family, model, held_batches)}
+    per_example = {hp.alpha: reference.example_scores(family, model, held_batches)}
     del model
     fit_batches = {t: [b for part in ps for b in made[id(part)]] for t, ps in parts.items()}
     for alpha in grid["alpha"]:
@@ -221,7 +265,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
 
 
 def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp, grid, merged, base, experts,
-               datasets, batches_of, device, seed, site: AlphaSite, shard=(0, 1)) -> Dict[str, Any]:
+               datasets, batches_of, device, seed, site, shard=(0, 1)) -> Dict[str, Any]:
     """``alpha_criterion: site``'s stage: the merged model calibrated on the fit part once per alpha of the grid at
     or above the method's, with the grid's smallest lambda and the method's rho in every block (no per-block search:
     at the least shrinkage rho hardly matters, and the per-block pass after the stage chooses both at the chosen
@@ -248,7 +292,8 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
                                                   held_made.__getitem__))
     per_example = {alpha: pooled(cs) for alpha, cs in scored.items()}
     return {
-        "criterion": "site", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes, "folds": folds,
+        "criterion": "site", "measure": site.measure, **alpha_verdict(per_example, hp.alpha, options.noise_z),
+        "split": sizes, "folds": folds,
         "stage_hparams": {"lambda_": stage.lambda_, "rho": stage.rho},
         "calibrations": folds * len(alphas), "seconds": time.perf_counter() - started,
     }
@@ -275,14 +320,14 @@ def site_splits(datasets, options: SelectionOptions, seed, shard=(0, 1)):
 
 
 def held_out_cosines(engine: FeatCalEngine, merged, base, experts, fit_batches, reference, family, held_batches):
-    """``reference``'s per-example held-out cosines of a copy of ``merged`` that ``engine`` calibrated on
-    ``fit_batches``, or None where that calibration was not finite."""
+    """``reference``'s per-example held-out scores (cosines, or on T5 the experts' probabilities) of a copy of
+    ``merged`` that ``engine`` calibrated on ``fit_batches``, or None where that calibration was not finite."""
     model = copy.deepcopy(merged)
     try:
         engine.run(model, base, experts, {t: list(bs) for t, bs in fit_batches.items()})
     except NonFiniteError:
         return None
-    return reference.example_cosines(family, model, held_batches)
+    return reference.example_scores(family, model, held_batches)
 
 
 def pooled(parts: Iterable[Optional[Dict[str, torch.Tensor]]]) -> Optional[Dict[str, torch.Tensor]]:
@@ -359,7 +404,7 @@ class HeldoutReference:
                 self.argmax = {t: [x.argmax(-1) for x in v] for t, v in logits.items()}
         self.criterion = criterion if criterion != "agreement" or self.argmax is not None else "drift"
 
-    def example_cosines(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
+    def example_scores(self, family, model, held_batches) -> Dict[str, torch.Tensor]:
         """Per task, each held-out example's mean cosine of ``model``'s last-block output to the expert's."""
         out = {}
         for task, reference in self.states.items():
@@ -386,14 +431,14 @@ class HeldoutReference:
 
 
 def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOptions, hp, grid, merged, base, experts,
-                   splits, device, site: Optional[AlphaSite] = None):
+                   splits, device, site=None):
     """The chosen (hparams, family options) after a calibration per candidate and split, and the search's report.
     ``splits``: (fit batches: () -> task -> batches, held-out batches: task -> batches) pairs; ``drift`` and
     ``agreement`` score one; criterion ``site`` pools every pair's held-out examples (``site_splits``), scored at
     ``site``'s feature site (``alpha_site``)."""
     plain_family = family_with({})
     if options.criterion == "site":
-        references = [AlphaSite(site.site).hold_out(plain_family, experts, held, device) for _, held in splits]
+        references = [site.fresh().hold_out(plain_family, experts, held, device) for _, held in splits]
     else:
         references = [HeldoutReference(plain_family, experts, splits[0][1], device, options.criterion)]
     start = {"lambda_": hp.lambda_, "rho": hp.rho, "alpha": hp.alpha}
@@ -435,7 +480,7 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
     search = {"criterion_used": references[0].criterion, "candidates": scores,
               "calibrations": len(scores) * len(splits)}
     if options.criterion == "site":
-        search.update(alpha=site_alpha_margin(points, scores, rows, hp.alpha))
+        search.update(alpha={**site_alpha_margin(points, scores, rows, hp.alpha), "measure": site.measure})
     return best, search
 
 
@@ -464,7 +509,7 @@ def site_alpha_margin(points: Mapping[str, Candidate], scores: Mapping[str, Mapp
 
 def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOptions, hp: FeatCalHParams,
                    merged, base, experts, datasets: Mapping[str, Any], batches_of: Callable[[Any], Any], device,
-                   shard=(0, 1), site: Optional[AlphaSite] = None):
+                   shard=(0, 1), site=None):
     """Choose, and calibrate ``merged`` in place on all of ``datasets`` with the choice; return the engine's report
     with an ``auto_select`` entry (grid, scores, choice, fold or split sizes, seconds and the search's cost
     multiple). ``datasets``: each task's calibration examples, all of them; ``shard``: (rank, world size) of this
@@ -589,7 +634,7 @@ def _alpha_line(stage: Mapping[str, Any]) -> str:
     """How the alpha stage chose: its held-out cosine's margin, in standard errors, over the method's alpha (or, where
     the method's is the best, its margin over the runner-up)."""
     method, best, versus, z = stage["method_alpha"], stage["best"], stage["versus"], stage["margin_se"]
-    measure = "held-out drift" if stage["criterion"] == "drift" else "the held-out feature site's cosine"
+    measure = "held-out drift" if stage["criterion"] == "drift" else stage.get("measure", AlphaSite.measure)
     if versus is None:
         return f"alpha {method:g}, the method's (no other alpha scored)"
     if best == method:

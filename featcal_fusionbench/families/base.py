@@ -78,6 +78,20 @@ class FeatureSite(ABC):
         return wrapper
 
 
+class OutputSite(ABC):
+    """What a generating family's task pool scores: each example's own greedy output. auto_select's ``site`` reads
+    it on such a family (FLAN-T5), where the feature site has a row per token: per held-out example, the probability
+    the task's expert gives the model's output."""
+
+    @abstractmethod
+    def generate(self, model: nn.Module, inputs: Any) -> Tensor:
+        """The model's greedy output for one batch, as the family's task pool generates it."""
+
+    @abstractmethod
+    def probability(self, expert: nn.Module, inputs: Any, outputs: Tensor) -> Tensor:
+        """Per example of the batch, the expert's probability of ``outputs`` (float32, in [0, 1])."""
+
+
 class ModelFamily(ABC):
     """How the methods walk, calibrate and batch one family of models.
 
@@ -194,6 +208,11 @@ class ModelFamily(ABC):
         """Model inputs for one task's calibration examples (labels only where the model reads them)."""
 
     # ---- the baselines -------------------------------------------------------------------------
+
+    def output_site(self) -> Optional[OutputSite]:
+        """The generated output that auto_select's ``site`` scores where the feature site has a row per token, or
+        None (the family is scored at its feature site, or not at all)."""
+        return None
 
     def feature_site(self, modelpool, model: nn.Module) -> FeatureSite:
         raise TypeError(

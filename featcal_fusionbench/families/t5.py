@@ -29,7 +29,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from ..models.task_switch import LMHeadSurgery
 from . import register_family
-from .base import FeatureSite, ModelFamily, batch_loader
+from .base import FeatureSite, ModelFamily, OutputSite, batch_loader
 from .sites import LinearSite, RMSNormSite
 
 COLUMNS = ("input_ids", "attention_mask", "labels")
@@ -37,6 +37,9 @@ IGNORE_INDEX = -100  # label padding in FusionBench's FLAN-T5 data (and HF's con
 STREAM_TOKENS = "stream-tokens"  # the tokens of the stack the block belongs to
 ENCODER_TOKENS = "encoder-tokens"  # cross-attention keys/values read encoder tokens
 _CROSS_KV = ("layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v")
+#: FusionBench scores FLAN-T5 text as ``model.generate(batch["input_ids"], max_length=10)`` decoded
+#: (fusion_bench/tasks/flan_t5_text_generation/glue_evaluation.py: evaluate_accuracy, evaluate_spearman_rho)
+GENERATION_MAX_LENGTH = 10
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,30 @@ class T5DecoderFeatureSite(FeatureSite):
 
     def deploy(self, wrapper: nn.Module) -> nn.Module:
         return LMHeadSurgery(wrapper)
+
+
+class T5GreedyOutput(OutputSite):
+    """The greedy generation FusionBench's text task pool scores (``GENERATION_MAX_LENGTH``; greedy stated, so
+    that a checkpoint's sampling config cannot make the choice random), and an expert's teacher-forced probability
+    of it: its tokens up to and with the first end-of-sequence token, the decoder's start token left out."""
+
+    def __init__(self, max_length: int = GENERATION_MAX_LENGTH):
+        self.max_length = max_length
+
+    @torch.no_grad()
+    def generate(self, model, batch):
+        return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              max_length=self.max_length, do_sample=False, num_beams=1)
+
+    @torch.no_grad()
+    def probability(self, expert, batch, outputs):
+        labels = outputs[:, 1:].clone()  # generate's first token is the decoder's start token
+        end = labels == expert.config.eos_token_id
+        labels[(end.long().cumsum(-1) - end.long()) > 0] = IGNORE_INDEX  # what follows the first end is padding
+        logits = expert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        decoder_input_ids=expert._shift_right(labels)).logits
+        logp = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return logp.masked_fill(labels == IGNORE_INDEX, 0.0).sum(-1).exp()
 
 
 @register_family
@@ -178,6 +205,9 @@ class T5Family(ModelFamily):
     def batches(self, modelpool, dataset, batch_size, shuffle=False, seed=0) -> Iterator[Dict[str, Tensor]]:
         loader = batch_loader(teacher_forcing_columns(dataset), batch_size, shuffle, seed, default_data_collator)
         return (trim_padding(batch) for batch in loader)
+
+    def output_site(self):
+        return T5GreedyOutput()
 
     def feature_site(self, modelpool, model):
         return T5DecoderFeatureSite(model)

@@ -178,8 +178,8 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
             if world_size > 1 and options.alpha_criterion == "drift":
                 raise ValueError(
                     f"auto_select alpha_criterion {options.alpha_criterion!r} runs on one device only (its held-out "
-                    "scores are not all-reduced); set auto_select.alpha_criterion=none (or site, for CLIP and "
-                    "OpenCLIP), or fix method.alpha, on several"
+                    "scores are not all-reduced); set auto_select.alpha_criterion=none (or site, for CLIP, "
+                    "OpenCLIP and T5), or fix method.alpha, on several"
                 )
             if options.criterion == "objective":
                 options.check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
