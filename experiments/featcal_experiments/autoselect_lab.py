@@ -173,14 +173,16 @@ class Lab:
         return {"scores": result, "average": result["average"], "report": report}
 
 
-def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool = True,
+def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool = True, test_fit: bool = False,
                 **hparams) -> List[Dict[str, Any]]:
     """Per alpha at fixed ``hparams`` (lambda_, rho): the end-of-model criteria after a calibration on the fit part
     of ``auto_select``'s split (the last block's mean cosine to the experts' on the held-out part, all tokens and the
     family's feature site, the head's argmax agreement where the family has a head; for a generating family the
     greedy output's agreement with the expert's and the expert's probability of it, criterion ``site``'s score
     there), and (``test``) the test score of the calibration on all
-    examples: does a label-free end-of-model criterion rank alpha as the test labels do?"""
+    examples: does a label-free end-of-model criterion rank alpha as the test labels do? ``test_fit``: also the test
+    score of the very copy the criteria read (calibrated on the fit part), which tells a criterion's error from the
+    gap between the fit part's size and all examples'."""
     from dataclasses import replace
 
     import torch.nn.functional as F
@@ -246,8 +248,11 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
                 t: float(np.mean([a == b for a, b in zip(generated(model, t), expert_texts[t])])) for t in experts}
             per_task["expert_probability"] = {t: float(c.mean()) for t, c in probability.example_scores(
                 family, model, held_batches).items()}
-        del model
         row = {"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()}, "per_task": per_task}
+        if test_fit:
+            scored = lab.evaluate(model)
+            row.update(test_fit=scored["average"], test_fit_per_task=scored)
+        del model
         if test:
             scored = lab.evaluate(calibrated(datasets, alpha))
             row.update(test=scored["average"], test_per_task=scored)

@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     probe.add_argument("--alphas", default="0.15,0.3,0.45,0.6")
     probe.add_argument("--no-test", dest="test", action="store_false",
                        help="the held-out criteria only (no calibration on all examples, no test score)")
+    probe.add_argument("--test-fit", action="store_true",
+                       help="also the test score of the copy calibrated on the fit part, the one the criteria read")
     res = sub.add_parser("resolution", help="CLIP and text worlds: each test example's record over a grid and "
                          "label-free rules, then the oracle's selection bias and a labelled half-test sweep "
                          "(featcal_experiments.label_resolution)")
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
         from featcal_experiments.autoselect_lab import alpha_probe
 
         rows = alpha_probe(lab, args.n, args.seed, [float(a) for a in args.alphas.split(",")], test=args.test,
-                           lambda_=args.lambda_, rho=args.rho)
+                           test_fit=args.test_fit, lambda_=args.lambda_, rho=args.rho)
         out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "world": args.world, "n": args.n, "seed": args.seed, "lambda_": args.lambda_, "rho": args.rho,
                "rows": rows}

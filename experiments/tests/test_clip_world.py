@@ -1,5 +1,6 @@
 """A reduced build of the offline CLIP world, loaded and evaluated through FusionBench's pools."""
 
+import copy
 import json
 import os
 import sys
@@ -238,3 +239,47 @@ def test_multitask_training_draws_step_s_from_task_s_mod_n():
         tower = CLIPModel(clip.config).vision_model
         train_vision_tower(clip, tower, tasks, steps, 2, 1e-3, torch.Generator().manual_seed(0))
         assert all(torch.isfinite(p).all() for p in tower.parameters()) == finite
+
+
+def test_the_alpha_probe_scores_the_very_copy_its_criteria_read_with_test_fit(mini_world, monkeypatch):
+    """``alpha-probe --test-fit``: each alpha's test score is that of the copy calibrated on the fit part (the one the
+    held-out criteria read), recomputed here with the engine on the fit part alone, and not of a calibration on all
+    examples; the criteria are unchanged."""
+    from dataclasses import replace
+
+    import torch
+
+    from featcal_experiments.autoselect_lab import Lab, alpha_probe
+    from featcal_fusionbench.autoselect.options import SelectionOptions
+    from featcal_fusionbench.autoselect.search import split_datasets
+    from featcal_fusionbench.engine.loop import FeatCalEngine
+
+    worlds, _ = mini_world
+    monkeypatch.setenv(ENV_DIR, str(worlds))
+    lab = Lab(["method=featcal/clip_ta", "modelpool=CLIPVisionModelPool/offline_clip2",
+               "taskpool=CLIPVisionModelTaskPool/offline_clip2"])
+    scored = []
+    evaluate = lab.evaluate
+    lab.evaluate = lambda model, **kw: scored.append(copy.deepcopy(model.state_dict())) or evaluate(model, **kw)
+    alphas, hparams = [0.3, 1.0], {"lambda_": 1e-4, "rho": 2.0}
+    rows = alpha_probe(lab, 8, 42, alphas, test=False, test_fit=True, **hparams)
+    assert len(scored) == len(alphas)
+    plain = alpha_probe(lab, 8, 42, alphas, test=False, **hparams)
+    assert len(scored) == len(alphas)  # without --test-fit (and --no-test) nothing is scored on the test sets
+    algorithm, datasets, base, experts, family, merged = lab.prepare(8, 42)
+    hp = replace(algorithm.featcal_hparams, **hparams)
+    fit, _, _ = split_datasets(datasets, SelectionOptions(), hp.seed)
+
+    def calibrated(data, alpha):
+        model = copy.deepcopy(merged)
+        FeatCalEngine(family, replace(hp, alpha=alpha), lab.fabric.device, progress=False).run(
+            model, base, experts, {t: list(family.batches(lab.modelpool, d, hp.batch_size)) for t, d in data.items()})
+        return model
+
+    for row, other, alpha, state in zip(rows, plain, alphas, scored):
+        assert "test" not in row and "test_fit" not in other
+        assert {k: v for k, v in row.items() if not k.startswith("test_fit")} == other
+        fit_model, full_model = calibrated(fit, alpha), calibrated(datasets, alpha)
+        assert all(torch.equal(state[k], v) for k, v in fit_model.state_dict().items())
+        assert not all(torch.equal(state[k], v) for k, v in full_model.state_dict().items())
+        assert row["test_fit_per_task"] == evaluate(fit_model)
