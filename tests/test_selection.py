@@ -887,9 +887,10 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     site_options = SelectionOptions.parse(OmegaConf.to_container(site.auto_select))
     assert site_options.criterion == "site" and site_options.search == "grid" and not site_options.grid
     assert {k: v for k, v in site.items() if k != "auto_select"} == {k: v for k, v in auto.items() if k != "auto_select"}
-    # the T5 alpha one: the T5 one, with alpha first among the paper's and those above it, every part held out
+    # the T5 site one: the paper's FLAN-T5 values, one (lambda, alpha) over the site's lambdas and the paper's alpha and
+    # those above it, every part held out in turn
     t5_site_options = SelectionOptions.parse(OmegaConf.to_container(t5_site.auto_select))
-    assert t5_site_options == replace(options, alpha_criterion="site", site_parts="all", grid={"alpha": [0.6, 0.8, 1.0]})
+    assert t5_site_options == replace(site_options, site_parts="all", grid={"alpha": [0.6, 0.8, 1.0]})
     assert {k: v for k, v in t5_site.items() if k != "auto_select"} == {k: v for k, v in t5.items() if k != "auto_select"}
 
 
