@@ -634,7 +634,7 @@ def _alpha_line(stage: Mapping[str, Any]) -> str:
     """How the alpha stage chose: its held-out cosine's margin, in standard errors, over the method's alpha (or, where
     the method's is the best, its margin over the runner-up)."""
     method, best, versus, z = stage["method_alpha"], stage["best"], stage["versus"], stage["margin_se"]
-    measure = "held-out drift" if stage["criterion"] == "drift" else stage.get("measure", AlphaSite.measure)
+    measure = "held-out drift" if stage["criterion"] == "drift" else stage["measure"]
     if versus is None:
         return f"alpha {method:g}, the method's (no other alpha scored)"
     if best == method:
