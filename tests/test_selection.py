@@ -439,7 +439,7 @@ def _t5_rows(world):
             for t, batches in world[3].items()}
 
 
-def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation():
+def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation(caplog):
     """On T5 (a row per target token at its feature site) ``site`` reads what the text task pool scores: per
     held-out example, the probability the task's expert gives the calibrated copy's greedy output, recomputed here
     with HF's own loss on each generation (each half of 12 examples per task held out in turn). The alpha stage
@@ -487,8 +487,12 @@ def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation()
 
     options = SelectionOptions.parse({**common, "criterion": "site",
                                       "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.6, 1.0]}})
-    auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base,
-                          experts, datasets, _batches_of, torch.device("cpu"), site=site)["auto_select"]
+    few = replace(hp, num_calibration_examples=12)  # the tiny world's: below where this measure was measured to hold
+    with caplog.at_level("WARNING", logger="featcal_fusionbench.autoselect.search"):
+        auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, few, copy.deepcopy(merged), base,
+                              experts, datasets, _batches_of, torch.device("cpu"), site=site)["auto_select"]
+    assert ("criterion site with 12 calibration examples per task: below 256 it was not measured to beat criterion "
+            "objective" in caplog.text and "featcal/auto_flan_t5_ta" in caplog.text)
     assert {k.split(",")[2]: c["score"] for k, c in auto["candidates"].items()} == pytest.approx(
         {f"alpha={a}": v for a, v in stage["scores"].items()}, rel=1e-6)
     assert auto["alpha"]["measure"] == stage["measure"] and stage["measure"] in describe_choice(auto)
@@ -558,7 +562,8 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
     with caplog.at_level("WARNING", logger="featcal_fusionbench.autoselect.search"):
         auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, model, base, experts, datasets,
                               _batches_of, torch.device("cpu"), site=AlphaSite(site))["auto_select"]
-    assert "criterion site with 16 calibration examples per task: below 32" in caplog.text
+    assert ("criterion site with 16 calibration examples per task: below 32 it was measured less accurate than "
+            "criterion objective (featcal/auto_clip_ta)" in caplog.text)
     if site_parts is None:
         fit, held, _ = split_datasets(datasets, SelectionOptions(), 0)
         splits = [(fit, held)]

@@ -51,6 +51,7 @@ from .policy import CrossFitSelection, Search
 from .options import (
     PATCH_WEIGHT,
     Candidate,
+    GENERATION_FEWEST_MEASURED,
     SITE_FEWEST_MEASURED,
     SelectionOptions,
     all_candidates,
@@ -139,6 +140,8 @@ class AlphaSite:
 
     criterion = "site"
     measure = "the held-out feature site's cosine"
+    fewest_measured, below_it = SITE_FEWEST_MEASURED, ("measured less accurate than criterion objective "
+                                                       "(featcal/auto_clip_ta) on five builds of seven")
 
     def __init__(self, site):
         self.site = site
@@ -177,6 +180,9 @@ class ExpertProbability:
 
     criterion = "site"
     measure = "the experts' probability of the held-out generations"
+    fewest_measured, below_it = GENERATION_FEWEST_MEASURED, (
+        "not measured to beat criterion objective, and at 32 it lay farther from the test-label oracle than "
+        "featcal/auto_flan_t5_ta, at ten times its cost")
 
     def __init__(self, output):
         self.output = output
@@ -254,7 +260,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
         if alpha != hp.alpha:
             policy = FixedHParams([replace(h, alpha=alpha) for h in schedule])
             engine = make_engine(hp, family, search=True, policy=policy)
-            per_example[alpha] = held_out_cosines(engine, merged, base, experts, fit_batches, reference, family,
+            per_example[alpha] = held_out_scores(engine, merged, base, experts, fit_batches, reference, family,
                                                   held_batches)
     return {
         "criterion": "drift", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes,
@@ -288,7 +294,7 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
         site.hold_out(family, experts, held_made.__getitem__, device)
         for alpha in alphas:
             engine = make_engine(replace(stage, alpha=alpha), family, search=True)
-            scored[alpha].append(held_out_cosines(engine, merged, base, experts, fit_made, site, family,
+            scored[alpha].append(held_out_scores(engine, merged, base, experts, fit_made, site, family,
                                                   held_made.__getitem__))
     per_example = {alpha: pooled(cs) for alpha, cs in scored.items()}
     return {
@@ -319,7 +325,7 @@ def site_splits(datasets, options: SelectionOptions, seed, shard=(0, 1)):
     return splits, sizes, folds
 
 
-def held_out_cosines(engine: FeatCalEngine, merged, base, experts, fit_batches, reference, family, held_batches):
+def held_out_scores(engine: FeatCalEngine, merged, base, experts, fit_batches, reference, family, held_batches):
     """``reference``'s per-example held-out scores (cosines, or on T5 the experts' probabilities) of a copy of
     ``merged`` that ``engine`` calibrated on ``fit_batches``, or None where that calibration was not finite."""
     model = copy.deepcopy(merged)
@@ -459,7 +465,7 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
             per_task = {t: float("nan") for t in experts}
             if options.criterion == "site":
                 rows[key] = pooled(
-                    held_out_cosines(make_engine(with_candidate(hp, candidate), family, search=True), merged, base,
+                    held_out_scores(make_engine(with_candidate(hp, candidate), family, search=True), merged, base,
                                      experts, fit_batches(), reference, family, held_batches)
                     for (fit_batches, held_batches), reference in zip(splits, references))
                 if rows[key] is not None:
@@ -536,10 +542,9 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             search["search_seconds"] += alpha_stage["seconds"]
             search["calibrations"] += alpha_stage["calibrations"]
     else:
-        if options.criterion == "site" and hp.num_calibration_examples < SITE_FEWEST_MEASURED:
+        if options.criterion == "site" and hp.num_calibration_examples < site.fewest_measured:
             log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
-                        "measured less accurate than criterion objective (featcal/auto_clip_ta) on five builds of "
-                        "seven (docs/featcal.md)", hp.num_calibration_examples, SITE_FEWEST_MEASURED)
+                        "%s (docs/featcal.md)", hp.num_calibration_examples, site.fewest_measured, site.below_it)
         if options.criterion == "site":
             parts, sizes, site_parts = site_splits(datasets, options, seed)
         else:
