@@ -261,7 +261,7 @@ def choose_alpha(make_engine: EngineFactory, family, options: SelectionOptions, 
             policy = FixedHParams([replace(h, alpha=alpha) for h in schedule])
             engine = make_engine(hp, family, search=True, policy=policy)
             per_example[alpha] = held_out_scores(engine, merged, base, experts, fit_batches, reference, family,
-                                                  held_batches)
+                                                 held_batches)
     return {
         "criterion": "drift", **alpha_verdict(per_example, hp.alpha, options.noise_z), "split": sizes,
         "fit_folds": fit_folds,
@@ -295,7 +295,7 @@ def site_stage(make_engine: EngineFactory, family, options: SelectionOptions, hp
         for alpha in alphas:
             engine = make_engine(replace(stage, alpha=alpha), family, search=True)
             scored[alpha].append(held_out_scores(engine, merged, base, experts, fit_made, site, family,
-                                                  held_made.__getitem__))
+                                                 held_made.__getitem__))
     per_example = {alpha: pooled(cs) for alpha, cs in scored.items()}
     return {
         "criterion": "site", "measure": site.measure, **alpha_verdict(per_example, hp.alpha, options.noise_z),
@@ -466,7 +466,7 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
             if options.criterion == "site":
                 rows[key] = pooled(
                     held_out_scores(make_engine(with_candidate(hp, candidate), family, search=True), merged, base,
-                                     experts, fit_batches(), reference, family, held_batches)
+                                    experts, fit_batches(), reference, family, held_batches)
                     for (fit_batches, held_batches), reference in zip(splits, references))
                 if rows[key] is not None:
                     per_task = {t: float(c.mean()) for t, c in rows[key].items()}
@@ -617,7 +617,9 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
     elif auto.get("alpha_criterion") == "none" and len(auto.get("grid", {}).get("alpha", ())) <= 1:
         # the per-block objective cannot rank alpha (it scores against the experts' own features), so a line that
         # names alpha beside the chosen values must not read as if alpha had been chosen too
-        parts.append("alpha the method's, not searched (auto_select.alpha_criterion none)")
+        parts.append("alpha the method's, not searched (auto_select.alpha_criterion none; criterion site chooses it "
+                     "with lambda on CLIP, OpenCLIP and FLAN-T5, in memory: featcal/auto_clip_site, "
+                     "featcal/auto_flan_t5_site)")
     if z:
         unclear = sum(1 for v in z if v < auto.get("noise_z", 2.0))
         parts.append(f"runner-up {min(z):.1f}-{max(z):.1f} standard errors behind"
