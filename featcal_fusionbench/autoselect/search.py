@@ -542,10 +542,11 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             search["search_seconds"] += alpha_stage["seconds"]
             search["calibrations"] += alpha_stage["calibrations"]
     else:
-        if options.criterion == "site" and hp.num_calibration_examples < site.fewest_measured:
-            log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it was "
-                        "%s (docs/featcal.md)", hp.num_calibration_examples, site.fewest_measured, site.below_it)
         if options.criterion == "site":
+            if hp.num_calibration_examples < site.fewest_measured:
+                log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it "
+                            "was %s (docs/featcal.md)", hp.num_calibration_examples, site.fewest_measured,
+                            site.below_it)
             parts, sizes, site_parts = site_splits(datasets, options, seed)
         else:
             fit, held, sizes = split_datasets(datasets, options, seed)
