@@ -499,6 +499,85 @@ def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation(c
     assert auto["alpha"]["measure"] == stage["measure"] and stage["measure"] in describe_choice(auto)
 
 
+class _SymbolTokenizer:
+    """A stand-in tokenizer for the tiny T5 (vocabulary 64): HF's ``batch_decode(sequences,
+    skip_special_tokens=True)`` contract, padding (0) and the end (1) dropped, every other id one symbol: a digit
+    (ten ids a digit each, so that a number task's texts tie) or, with ``letters``, a letter."""
+
+    def __init__(self, letters=False):
+        self.symbols = "abcdefghijklmnopqrstuvwxyz" if letters else "0123456789"
+
+    def batch_decode(self, sequences, skip_special_tokens=False):
+        return ["".join(self.symbols[int(i) % len(self.symbols)] for i in row
+                        if not (skip_special_tokens and int(i) in (0, 1))) for row in sequences]
+
+
+def test_site_on_t5_scores_a_task_whose_expert_writes_numbers_by_its_share_of_spearmans_rho():
+    """A task whose expert's held-out outputs parse as numbers is scored as FusionBench scores STS-B: each example's
+    share of Spearman's rho (scipy's, computed here on the decoded texts) between the model's numbers and the
+    expert's; with words (or no tokenizer) the expert's probability of the output, as before. Outputs of one token
+    (one digit: twelve examples tie). The pool's tokenizer config is what the site decodes with."""
+    from fusion_bench.modelpool import Seq2SeqLMPool
+    from scipy.stats import spearmanr
+    from transformers import ByT5Tokenizer
+
+    from featcal_fusionbench.autoselect.search import ExpertProbability, alpha_site
+    from featcal_fusionbench.families.t5 import T5GreedyOutput
+
+    base, experts, merged, data = tiny_t5_world(batches=4, pad_to=12, target_pad_to=8)
+    family = family_for(base)
+    held = data.__getitem__
+
+    def scored(tokenizer):
+        site = ExpertProbability(T5GreedyOutput(tokenizer, max_length=2)).hold_out(family, experts, held,
+                                                                                  torch.device("cpu"))
+        return site, site.example_scores(family, merged, held)
+
+    site, numbers = scored(_SymbolTokenizer())
+    assert site.measure == ("the experts' probability of the held-out generations (Spearman's rho with the "
+                            "expert's numbers on task0, task1)")
+    tokenizer, output = _SymbolTokenizer(), T5GreedyOutput(max_length=2)
+    for task, expert in experts.items():
+        texts = {name: [t for b in data[task] for t in tokenizer.batch_decode(output.generate(m, b), True)]
+                 for name, m in (("merged", merged), ("expert", expert))}
+        rho = spearmanr(*[[float(t) if t else 0.0 for t in texts[k]] for k in ("merged", "expert")])[0]
+        assert not math.isnan(rho) and len(set(texts["expert"])) < len(texts["expert"])  # ranked, with ties
+        assert float(numbers[task].mean()) == pytest.approx(rho, rel=1e-6, abs=1e-9)
+    plain, probability = scored(None)
+    words, worded = scored(_SymbolTokenizer(letters=True))
+    assert words.measure == plain.measure == "the experts' probability of the held-out generations"
+    for task in experts:
+        torch.testing.assert_close(worded[task], probability[task])
+    assert float(max(abs(numbers[t].mean() - probability[t].mean()) for t in experts)) > 1e-3
+    pool = Seq2SeqLMPool({"_pretrained_": base}, tokenizer={"_target_": "transformers.ByT5Tokenizer"})
+    assert isinstance(alpha_site(family, pool, base).output.tokenizer, ByT5Tokenizer)
+
+
+def test_a_number_task_is_one_whose_expert_writes_numbers_more_than_half_the_time():
+    from featcal_fusionbench.autoselect.search import as_numbers, writes_numbers
+
+    torch.testing.assert_close(as_numbers(["3.8", " 4 ", "yes", "inf", "nan"]),
+                               torch.tensor([3.8, 4.0, math.nan, math.nan, math.nan], dtype=torch.float64),
+                               equal_nan=True)
+    assert [writes_numbers(as_numbers(t)) for t in (["3.8", "1", "no"], ["3.8", "no"], ["yes", "no"], [])] == [
+        True, False, False, False]
+
+
+def test_rank_agreement_is_each_examples_share_of_spearmans_rho():
+    from scipy.stats import spearmanr
+
+    from featcal_fusionbench.core.meters import rank_agreement
+
+    generator = torch.Generator().manual_seed(0)
+    for size, values in ((40, 6), (7, 100), (3, 50)):
+        a, b = (torch.randint(0, values, (size,), generator=generator).double() for _ in range(2))
+        expected = spearmanr(a, b)[0]
+        got = rank_agreement(a, b)
+        assert got.shape == (size,)
+        assert float(got.mean()) == (0.0 if math.isnan(expected) else pytest.approx(expected, abs=1e-12))
+    assert torch.equal(rank_agreement(torch.ones(5), torch.arange(5.0)), torch.zeros(5, dtype=torch.float64))
+
+
 def test_site_parts_all_holds_out_each_part_in_turn_at_any_number_of_examples():
     parts = {"alpha": lambda **o: SelectionOptions.parse({"alpha_criterion": "site", **o}).site_folds,
              "site": lambda **o: SelectionOptions.parse({"criterion": "site", **o}).site_folds}

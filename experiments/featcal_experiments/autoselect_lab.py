@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -178,8 +179,9 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
     """Per alpha at fixed ``hparams`` (lambda_, rho): the end-of-model criteria after a calibration on the fit part
     of ``auto_select``'s split (the last block's mean cosine to the experts' on the held-out part, all tokens and the
     family's feature site, the head's argmax agreement where the family has a head; for a generating family the
-    greedy output's agreement with the expert's and the expert's probability of it, criterion ``site``'s score
-    there), and (``test``) the test score of the calibration on all
+    greedy output's agreement with the expert's, the expert's probability of it, criterion ``site``'s measure (the
+    probability, or a number-writing task's rank agreement with the expert's numbers) and each task's own metric
+    with the expert's outputs for labels), and (``test``) the test score of the calibration on all
     examples: does a label-free end-of-model criterion rank alpha as the test labels do? ``test_fit``: also the test
     score of the very copy the criteria read (calibrated on the fit part), which tells a criterion's error from the
     gap between the fit part's size and all examples'."""
@@ -188,7 +190,8 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
     import torch.nn.functional as F
 
     from featcal_fusionbench.autoselect.options import SelectionOptions
-    from featcal_fusionbench.autoselect.search import AlphaSite, ExpertProbability, HeldoutReference, split_datasets
+    from featcal_fusionbench.autoselect.search import (AlphaSite, ExpertProbability, HeldoutReference, pool_tokenizer,
+                                                       split_datasets)
     from featcal_fusionbench.engine.loop import FeatCalEngine
 
     algorithm, datasets, base, experts, family, merged = lab.prepare(n, seed)
@@ -211,6 +214,9 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
     output = family.output_site()  # a generating family: what its task pool scores, and the expert's probability
     if output is not None:
         probability = ExpertProbability(output).hold_out(family, experts, held_batches, device)
+        # criterion site's measure as the product reads it: with the pool's tokenizer, number tasks by rank
+        measure = ExpertProbability(family.output_site(pool_tokenizer(lab.modelpool))).hold_out(
+            family, experts, held_batches, device)
         decode = lab.taskpool.tokenizer.batch_decode
 
         def generated(model, task):
@@ -248,6 +254,11 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
                 t: float(np.mean([a == b for a, b in zip(generated(model, t), expert_texts[t])])) for t in experts}
             per_task["expert_probability"] = {t: float(c.mean()) for t, c in probability.example_scores(
                 family, model, held_batches).items()}
+            per_task["site_measure"] = {t: float(c.mean()) for t, c in measure.example_scores(
+                family, model, held_batches).items()}
+            # each task scored by its own metric, the expert's generations standing in for the labels
+            per_task["expert_referenced_metric"] = {t: referenced_metric(lab.taskpool, t, generated(model, t),
+                                                                         expert_texts[t]) for t in experts}
         row = {"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()}, "per_task": per_task}
         if test_fit:
             scored = lab.evaluate(model)
@@ -258,6 +269,26 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
             row.update(test=scored["average"], test_per_task=scored)
         out.append(row)
     return out
+
+
+def referenced_metric(taskpool, task: str, outputs: Sequence[str], references: Sequence[str]) -> float:
+    """``task``'s metric as ``taskpool`` scores it (exact match, or Spearman's rho of ``float()``-parsed texts, 0 for
+    text that does not parse, as FusionBench's ``evaluate_spearman_rho``), against ``references`` for labels."""
+    from scipy.stats import spearmanr
+
+    from featcal_fusionbench.evaluation.text_taskpool import SPEARMAN
+
+    if taskpool.metric(task) != SPEARMAN:
+        return float(np.mean([a == b for a, b in zip(outputs, references)]))
+
+    def number(text):
+        try:
+            return float(text)
+        except ValueError:
+            return 0.0
+
+    rho = spearmanr([number(a) for a in outputs], [number(b) for b in references])[0]
+    return 0.0 if math.isnan(rho) else float(rho)
 
 
 def kfold(dataset, folds: int, seed: int, task: str):

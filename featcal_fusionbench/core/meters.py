@@ -69,6 +69,27 @@ def example_cosines(hidden: Tensor, reference: Tensor, mask: Optional[Tensor] = 
     return (cosine * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
 
 
+def average_ranks(values: Tensor) -> Tensor:
+    """1-based ranks of a 1-D tensor, tied values sharing their mean rank (float64)."""
+    order = values.argsort(stable=True)
+    _, inverse, counts = torch.unique_consecutive(values[order], return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    ranks = torch.empty(values.numel(), dtype=torch.float64)
+    ranks[order] = ((ends - counts + 1 + ends) / 2)[inverse]
+    return ranks
+
+
+def rank_agreement(values: Tensor, reference: Tensor) -> Tensor:
+    """Each example's share of Spearman's rho between ``values`` and ``reference`` (1-D, the same examples): the
+    product of its two standardised average ranks, whose mean over the examples is rho, ties included (Pearson's r
+    of the ranks). All zero where either side is constant, where rho is undefined."""
+    ranks = [average_ranks(v.double()) for v in (values, reference)]
+    spread = [r.std(unbiased=False) for r in ranks]
+    if min(spread) == 0:
+        return torch.zeros(values.numel(), dtype=torch.float64)
+    return ((ranks[0] - ranks[0].mean()) / spread[0]) * ((ranks[1] - ranks[1].mean()) / spread[1])
+
+
 def paired_difference(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -> Tuple[float, float]:
     """The mean over tasks of each task's mean per-example difference ``first - second`` (the same examples in
     both), and its standard error: tasks independent, each task's examples paired."""

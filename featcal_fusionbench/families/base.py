@@ -91,6 +91,14 @@ class OutputSite(ABC):
     def probability(self, expert: nn.Module, inputs: Any, outputs: Tensor) -> Tensor:
         """Per example of the batch, the expert's probability of ``outputs`` (float32, in [0, 1])."""
 
+    #: the pool's tokenizer, which reads the outputs as text; None: they are read as tokens only
+    tokenizer: Any = None
+
+    def texts(self, outputs: Tensor) -> List[str]:
+        """``outputs`` as text, decoded as FusionBench's text task pools decode them before they compare
+        (``evaluate_accuracy``, ``evaluate_spearman_rho``)."""
+        return self.tokenizer.batch_decode(outputs, skip_special_tokens=True)
+
 
 class ModelFamily(ABC):
     """How the methods walk, calibrate and batch one family of models.
@@ -209,9 +217,9 @@ class ModelFamily(ABC):
 
     # ---- the baselines -------------------------------------------------------------------------
 
-    def output_site(self) -> Optional[OutputSite]:
+    def output_site(self, tokenizer: Any = None) -> Optional[OutputSite]:
         """The generated output that auto_select's ``site`` scores where the feature site has a row per token, or
-        None (the family is scored at its feature site, or not at all)."""
+        None (the family is scored at its feature site, or not at all). ``tokenizer``: the pool's, which decodes it."""
         return None
 
     def feature_site(self, modelpool, model: nn.Module) -> FeatureSite:

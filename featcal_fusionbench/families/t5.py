@@ -99,7 +99,8 @@ class T5GreedyOutput(OutputSite):
     that a checkpoint's sampling config cannot make the choice random), and an expert's teacher-forced probability
     of it: its tokens up to and with the first end-of-sequence token, the decoder's start token left out."""
 
-    def __init__(self, max_length: int = GENERATION_MAX_LENGTH):
+    def __init__(self, tokenizer=None, max_length: int = GENERATION_MAX_LENGTH):
+        self.tokenizer = tokenizer
         self.max_length = max_length
 
     @torch.no_grad()
@@ -206,8 +207,8 @@ class T5Family(ModelFamily):
         loader = batch_loader(teacher_forcing_columns(dataset), batch_size, shuffle, seed, default_data_collator)
         return (trim_padding(batch) for batch in loader)
 
-    def output_site(self):
-        return T5GreedyOutput()
+    def output_site(self, tokenizer=None):
+        return T5GreedyOutput(tokenizer)
 
     def feature_site(self, modelpool, model):
         return T5DecoderFeatureSite(model)
