@@ -250,15 +250,16 @@ def alpha_probe(lab: Lab, n: int, seed: int, alphas: Sequence[float], test: bool
             per_task["head_kl"] = {t: float(F.kl_div(logits[t].log_softmax(-1), expert_logits[t].log_softmax(-1),
                                                      log_target=True, reduction="batchmean")) for t in experts}
         if output is not None:  # greedy generation as the task pool generates, on the held-out inputs
+            texts = {t: generated(model, t) for t in experts}
             per_task["generation_agreement"] = {
-                t: float(np.mean([a == b for a, b in zip(generated(model, t), expert_texts[t])])) for t in experts}
+                t: float(np.mean([a == b for a, b in zip(texts[t], expert_texts[t])])) for t in experts}
             per_task["expert_probability"] = {t: float(c.mean()) for t, c in probability.example_scores(
                 family, model, held_batches).items()}
             per_task["site_measure"] = {t: float(c.mean()) for t, c in measure.example_scores(
                 family, model, held_batches).items()}
             # each task scored by its own metric, the expert's generations standing in for the labels
-            per_task["expert_referenced_metric"] = {t: referenced_metric(lab.taskpool, t, generated(model, t),
-                                                                         expert_texts[t]) for t in experts}
+            per_task["expert_referenced_metric"] = {t: referenced_metric(lab.taskpool, t, texts[t], expert_texts[t])
+                                                    for t in experts}
         row = {"alpha": alpha, **{k: sum(v.values()) / len(v) for k, v in per_task.items()}, "per_task": per_task}
         if test_fit:
             scored = lab.evaluate(model)
