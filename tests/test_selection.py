@@ -136,6 +136,8 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
                                                              "'objective'; criterion 'drift' searches grid.alpha"),
         ({"criterion": "site", "site_parts": 4}, r"site_parts must be null .*, auto .* or 1 .*got 4"),
         ({"site_parts": "auto"}, "site_parts is given \\('auto'\\) but neither criterion nor alpha_criterion is 'site'"),
+        ({"criterion": "site", "keep_method_lambda": "yes"}, "keep_method_lambda must be true or false"),
+        ({"keep_method_lambda": True}, "keep_method_lambda is a rule of criterion 'site' .* criterion is 'objective'"),
         ("yes", "expected true, false or a mapping"),
     ],
 )
@@ -694,6 +696,83 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("noise_z", [1e9, 0.0])
+def test_keep_method_lambda_takes_the_methods_lambda_unless_the_best_point_beats_it_beyond_the_noise(noise_z):
+    """criterion site with keep_method_lambda: after the grid, the method's lambda at the best point's alpha and rho
+    is calibrated on every split like a grid point and taken unless the best beats it by more than noise_z standard
+    errors (paired per held-out example: the margin is the difference of the two points' means over tasks); the
+    final calibration runs the point taken."""
+    from featcal_fusionbench.autoselect.search import AlphaSite
+
+    world = tiny_world(batches=4)
+    base, experts, merged, _ = world
+    hp = FeatCalHParams(num_calibration_examples=16)  # lambda 0.05, off the grid
+    options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "keep_method_lambda": True,
+                                      "noise_z": noise_z, "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+
+    def make_engine(hparams, family, search=False, **kwargs):
+        return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
+
+    model = copy.deepcopy(merged)
+    auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, model, base, experts,
+                          _datasets(world), _batches_of, torch.device("cpu"), site=AlphaSite(_ProjectedSite()))[
+        "auto_select"]
+    grid_points = {k: c["score"] for k, c in auto["candidates"].items() if not k.startswith("lambda_=0.05,")}
+    best = max(grid_points, key=grid_points.get)
+    best_alpha = float(best.split(",")[2].split("=")[1])
+    rival = candidate_key({"lambda_": 0.05, "rho": hp.rho, "alpha": best_alpha, PATCH_WEIGHT: 1.0})
+    assert len(grid_points) == 4 and set(auto["candidates"]) == {*grid_points, rival}
+    assert auto["calibrations"] == 5  # four grid points and the method's lambda, one held-out quarter each
+    rule = auto["lambda"]
+    margin = grid_points[best] - auto["candidates"][rival]["score"]
+    assert rule["method_lambda"] == 0.05 and rule["best"] == float(best.split(",")[0].split("=")[1])
+    assert rule["margin"] == pytest.approx(margin, rel=1e-5)
+    assert rule["kept"] == (rule["margin_se"] <= noise_z)
+    assert candidate_key(auto["choice"]["global"]) == (rival if rule["kept"] else best)
+    if noise_z == 0.0:
+        assert rule["kept"] == (margin <= 0)
+    else:
+        assert rule["kept"] and "the method's lambda 0.05" in describe_choice(auto)
+    plain = copy.deepcopy(merged)
+    FeatCalEngine(family_for(base), with_candidate(hp, auto["choice"]["global"]), "cpu", progress=False).run(
+        plain, base, experts, {t: _batches_of(d) for t, d in _datasets(world).items()})
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_lambda_verdict_weighs_the_methods_lambda_against_the_best_paired_per_example():
+    from featcal_fusionbench.autoselect.search import lambda_verdict
+
+    best, method = {"lambda_": 1e-4, "rho": 2.0, "alpha": 0.8}, {"lambda_": 1e-5, "rho": 2.0, "alpha": 0.8}
+    a = torch.tensor([0.50, 0.70, 0.60, 0.90], dtype=torch.float64)
+    b = torch.tensor([0.30, 0.20, 0.25, 0.40], dtype=torch.float64)
+    shift = {"x": torch.tensor([0.02, -0.01, 0.03, 0.00], dtype=torch.float64),
+             "y": torch.tensor([0.05, 0.01, 0.00, 0.02], dtype=torch.float64)}
+    rows = {candidate_key(best): {"x": a + shift["x"], "y": b + shift["y"]}, candidate_key(method): {"x": a, "y": b}}
+    means = [float(shift[t].mean()) for t in ("x", "y")]
+    se = math.sqrt(sum(float(shift[t].var()) / 4 for t in ("x", "y"))) / 2
+    z = (sum(means) / 2) / se
+    for noise_z, kept in ((z + 0.01, True), (z - 0.01, False)):
+        rule = lambda_verdict(rows, best, method, noise_z)
+        assert rule["margin"] == pytest.approx(sum(means) / 2) and rule["margin_se"] == pytest.approx(z)
+        assert rule["kept"] is kept and rule["method_lambda"] == 1e-5 and rule["best"] == 1e-4
+    assert not lambda_verdict({**rows, candidate_key(method): None}, best, method, 0.0)["kept"]  # not finite
+    assert lambda_verdict(rows, best, best, 1e9) == {"method_lambda": 1e-4, "best": 1e-4, "kept": False,
+                                                     "margin": None, "margin_se": None}
+    behind = lambda_verdict({candidate_key(best): rows[candidate_key(method)],
+                             candidate_key(method): rows[candidate_key(best)]}, best, method, 2.0)
+    assert behind["kept"] and behind["margin_se"] < 0
+    def line(rule, scores):
+        return describe_choice({"criterion": "site", "choice": {"global": method}, "lambda": rule, "candidates": {
+            candidate_key(best): {"score": scores[0]}, candidate_key(method): {"score": scores[1]}}})
+
+    assert ("(site 0.5000; best lambda 0.0001, rho 2, alpha 0.8 0.1000 ahead), the method's lambda 1e-05 kept: "
+            f"0.0001 ahead by {z:.1f} standard errors, within the noise") in line(
+        lambda_verdict(rows, best, method, z + 0.01), (0.6, 0.5))
+    assert ("(site 0.6000; runner-up lambda 0.0001, rho 2, alpha 0.8 0.1000 behind), the method's lambda 1e-05, "
+            f"{-behind['margin_se']:.1f} standard errors ahead of 0.0001") in line(behind, (0.5, 0.6))
+
+
 def test_a_criterion_site_point_whose_calibration_is_not_finite_scores_nan_and_calibrates_no_further_part():
     """With each part held out in turn, a point whose first part's calibration raises NonFiniteError scores NaN
     (never chosen, not weighed in the alpha margin) and is not calibrated on the remaining parts."""
@@ -973,9 +1052,10 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     assert site_options.criterion == "site" and site_options.search == "grid" and not site_options.grid
     assert {k: v for k, v in site.items() if k != "auto_select"} == {k: v for k, v in auto.items() if k != "auto_select"}
     # the T5 site one: the paper's FLAN-T5 values, one (lambda, alpha) over the site's lambdas and the paper's alpha and
-    # those above it, every part held out in turn
+    # those above it, every part held out in turn, the paper's lambda kept unless beaten beyond the noise
     t5_site_options = SelectionOptions.parse(OmegaConf.to_container(t5_site.auto_select))
-    assert t5_site_options == replace(site_options, site_parts="all", grid={"alpha": [0.6, 0.8, 1.0]})
+    assert t5_site_options == replace(site_options, site_parts="all", keep_method_lambda=True,
+                                      grid={"alpha": [0.6, 0.8, 1.0]})
     assert {k: v for k, v in t5_site.items() if k != "auto_select"} == {k: v for k, v in t5.items() if k != "auto_select"}
 
 

@@ -254,7 +254,7 @@ def main(argv=None) -> int:
                "world": args.world, "n": args.n, "seed": args.seed, "auto_select": options,
                "average": result["average"], "scores": result["scores"], "choice": auto["choice"],
                "cost_multiple": auto["cost_multiple"], "candidates": auto.get("candidates"), "blocks": auto.get("blocks"),
-               **({"alpha": auto["alpha"]} if "alpha" in auto else {})}
+               **{key: auto[key] for key in ("alpha", "lambda") if key in auto}}
         with open(args.out / "auto.jsonl", "a") as f:
             f.write(json.dumps(out) + "\n")
         print(json.dumps({k: out[k] for k in ("average", "choice", "cost_multiple")}))

@@ -100,7 +100,10 @@ class SelectionOptions:
     ``site``: ``heldout_fraction`` of each task's examples is held out; ``site_parts`` (criterion or alpha_criterion
     ``site``): ``auto`` holds out each such part in turn up to ``FEW_EXAMPLES`` examples per task, ``all`` at any
     number (a calibration per part: four times the stage's at the default quarter), ``1`` one part,
-    null the criterion's default (``site_folds``). ``seed``: the folds' or the split's (null: the method's
+    null the criterion's default (``site_folds``); ``keep_method_lambda`` (criterion ``site``): the method's lambda,
+    at the best point's alpha and rho, is scored and taken unless the best point beats it by more than ``noise_z``
+    standard errors, paired per held-out example (do no harm on lambda; alpha is the best point's: a noise rule on
+    alpha was measured and set aside, docs/featcal.md). ``seed``: the folds' or the split's (null: the method's
     ``seed``).
     """
 
@@ -112,6 +115,7 @@ class SelectionOptions:
     alpha_criterion: str = "none"
     heldout_fraction: float = 0.25
     site_parts: Union[int, str, None] = None
+    keep_method_lambda: bool = False
     search: str = "coordinate"
     seed: Optional[int] = None
     grid: Mapping[str, Tuple[float, ...]] = field(default_factory=dict)
@@ -139,6 +143,11 @@ class SelectionOptions:
         if self.site_parts is not None and "site" not in (self.criterion, self.alpha_criterion):
             problems.append(f"site_parts is given ({self.site_parts!r}) but neither criterion nor alpha_criterion is "
                             f"'site', which alone read it")
+        if not isinstance(self.keep_method_lambda, bool):
+            problems.append(f"keep_method_lambda must be true or false, got {self.keep_method_lambda!r}")
+        elif self.keep_method_lambda and self.criterion != "site":
+            problems.append(f"keep_method_lambda is a rule of criterion 'site' (criterion 'objective' keeps the "
+                            f"method's values within noise_z itself), but criterion is {self.criterion!r}")
         if self.alpha_criterion not in ALPHA_CRITERIA:
             problems.append(f"alpha_criterion must be one of {list(ALPHA_CRITERIA)}, got {self.alpha_criterion!r}")
         elif self.alpha_criterion != "none" and self.criterion != "objective":

@@ -23,7 +23,9 @@ options and grids are in ``options``, the per-block policy in ``policy``, the ma
   calibration of a copy of the merged model on the fit part per candidate (coordinate or full grid), scored on the
   held-out part's last-block outputs against the experts' (``site``: its rows at the family's feature site, as
   ``alpha_criterion: site`` scores them, one lambda and alpha for the model; with ``site_parts: auto`` each part
-  held out in turn, every example's row pooled). The experts' held-out outputs do not
+  held out in turn, every example's row pooled; with ``keep_method_lambda`` the method's lambda at the best point's
+  alpha is scored too and taken unless the best beats it by more than ``noise_z`` standard errors, paired per
+  held-out example: ``lambda_verdict``). The experts' held-out outputs do not
   depend on the hyperparameters and are computed once. Then the final calibration runs on ALL calibration examples with the
   chosen values. They hold the merged model whole (a copy per candidate).
 """
@@ -419,7 +421,7 @@ def alpha_verdict(per_example: Mapping[float, Optional[Dict[str, torch.Tensor]]]
     margin = margin_se = None
     if versus is not None and per_example[versus] is not None:
         margin, se = paired_difference(per_example[best], per_example[versus])
-        margin_se = margin / se if se > 0 else (0.0 if margin == 0 else math.copysign(math.inf, margin))
+        margin_se = standard_errors(margin, se)
     kept = best != method and not (margin_se is not None and margin_se > noise_z)  # within the noise, NaN or unpaired
     return {"method_alpha": method, "best": best, "chosen": method if kept else best, "versus": versus,
             "kept": kept, "margin": margin, "margin_se": margin_se, "scores": scores}
@@ -512,40 +514,73 @@ def select_by_runs(make_engine: EngineFactory, family_with, options: SelectionOp
     scores: Dict[str, Dict[str, Any]] = {}
     points: Dict[str, Candidate] = {}
     rows: Dict[str, Optional[Dict[str, torch.Tensor]]] = {}  # criterion site: each point's per-example cosines
+
+    def score(candidate: Candidate) -> None:
+        key = candidate_key(candidate)
+        if key in scores:  # the stage's starting point was scored by the previous stage
+            return
+        family = family_with({PATCH_WEIGHT: candidate[PATCH_WEIGHT]} if PATCH_WEIGHT in candidate else {})
+        per_task = {t: float("nan") for t in experts}
+        if options.criterion == "site":
+            rows[key] = pooled(
+                held_out_scores(make_engine(with_candidate(hp, candidate), family, search=True), merged, base,
+                                experts, fit_batches(), reference, family, held_batches)
+                for (fit_batches, held_batches), reference in zip(splits, references))
+            if rows[key] is not None:
+                per_task = {t: float(c.mean()) for t, c in rows[key].items()}
+        else:
+            (fit_batches, held_batches), = splits
+            model = copy.deepcopy(merged)
+            try:
+                make_engine(with_candidate(hp, candidate), family, search=True).run(model, base, experts,
+                                                                                    fit_batches())
+                per_task = references[0].score(family, model, held_batches)
+            except NonFiniteError:
+                pass
+            del model
+        scores[key], points[key] = {"score": mean_over_tasks(per_task), "per_task": per_task}, candidate
+
     best = dict(start)
     for keys in stages:
         stage = stage_candidates(grid, keys, best) if options.search == "coordinate" else all_candidates(grid)
         for candidate in stage:
-            key = candidate_key(candidate)
-            if key in scores:  # the stage's starting point was scored by the previous stage
-                continue
-            family = family_with({PATCH_WEIGHT: candidate[PATCH_WEIGHT]} if PATCH_WEIGHT in candidate else {})
-            per_task = {t: float("nan") for t in experts}
-            if options.criterion == "site":
-                rows[key] = pooled(
-                    held_out_scores(make_engine(with_candidate(hp, candidate), family, search=True), merged, base,
-                                    experts, fit_batches(), reference, family, held_batches)
-                    for (fit_batches, held_batches), reference in zip(splits, references))
-                if rows[key] is not None:
-                    per_task = {t: float(c.mean()) for t, c in rows[key].items()}
-            else:
-                (fit_batches, held_batches), = splits
-                model = copy.deepcopy(merged)
-                try:
-                    make_engine(with_candidate(hp, candidate), family, search=True).run(model, base, experts,
-                                                                                        fit_batches())
-                    per_task = references[0].score(family, model, held_batches)
-                except NonFiniteError:
-                    pass
-                del model
-            scores[key], points[key] = {"score": mean_over_tasks(per_task), "per_task": per_task}, candidate
+            score(candidate)
         in_stage = {candidate_key(c): scores[candidate_key(c)]["score"] for c in stage}
         best = next(c for c in stage if candidate_key(c) == best_of(in_stage, higher_is_better=True))
+    lambda_rule = None
+    if options.keep_method_lambda:
+        rival = {**best, "lambda_": hp.lambda_}
+        score(rival)
+        lambda_rule = lambda_verdict(rows, best, rival, options.noise_z)
+        best = rival if lambda_rule["kept"] else best
     search = {"criterion_used": references[0].criterion, "candidates": scores,
               "calibrations": len(scores) * len(splits)}
     if options.criterion == "site":
         search.update(alpha={**site_alpha_margin(points, scores, rows, hp.alpha), "measure": references[0].measure})
+    if lambda_rule is not None:
+        search["lambda"] = lambda_rule
     return best, search
+
+
+def lambda_verdict(rows: Mapping[str, Optional[Dict[str, torch.Tensor]]], best: Candidate, method: Candidate,
+                   noise_z: float) -> Dict[str, Any]:
+    """Criterion site's do-no-harm rule on lambda (``keep_method_lambda``): ``method`` (the best point with the
+    method's lambda) is taken unless ``best`` beats it by more than ``noise_z`` standard errors, paired per held-out
+    example; a method's point that did not calibrate finitely is not. Between lambdas a decade either side of the
+    text world's paper value the site's measure did not resolve test-label gaps of 0.6 points (docs/featcal.md)."""
+    out = {"method_lambda": method["lambda_"], "best": best["lambda_"], "kept": False, "margin": None,
+           "margin_se": None}
+    ours = rows[candidate_key(method)]
+    if best["lambda_"] == method["lambda_"] or ours is None:
+        return out
+    margin, se = paired_difference(rows[candidate_key(best)], ours)
+    z = standard_errors(margin, se)
+    return {**out, "kept": not z > noise_z, "margin": margin, "margin_se": z}
+
+
+def standard_errors(margin: float, se: float) -> float:
+    """``margin`` in standard errors; a zero standard error leaves only its sign."""
+    return margin / se if se > 0 else (0.0 if margin == 0 else math.copysign(math.inf, margin))
 
 
 def site_alpha_margin(points: Mapping[str, Candidate], scores: Mapping[str, Mapping[str, Any]],
@@ -655,8 +690,12 @@ def describe_choice(auto: Mapping[str, Any]) -> str:
         others = {k: v for k, v in scores.items() if k != chosen}
         if chosen in scores and others:  # every criterion of this path is higher-is-better
             runner = max(others, key=others.get)
-            line += (f" ({auto.get('criterion_used', auto['criterion'])} {scores[chosen]:.4f}; runner-up "
-                     f"{_values(runner)} {scores[chosen] - scores[runner]:.4f} behind)")
+            lead = scores[chosen] - scores[runner]  # below 0 where a noise rule kept the method's lambda
+            line += (f" ({auto.get('criterion_used', auto['criterion'])} {scores[chosen]:.4f}; "
+                     + (f"runner-up {_values(runner)} {lead:.4f} behind)" if lead >= 0 else
+                        f"best {_values(runner)} {-lead:.4f} ahead)"))
+        if auto.get("lambda", {}).get("margin_se") is not None:
+            line += f", {_lambda_line(auto['lambda'])}"
         return line + (f", {_alpha_line(auto['alpha'])}" if "margin_se" in auto.get("alpha", {}) else "")
     blocks = auto["blocks"]
     if not blocks:
@@ -710,6 +749,16 @@ def _alpha_line(stage: Mapping[str, Any]) -> str:
         return f"the method's alpha {method:g} kept: {best:g} ahead on {measure} by {z:.1f} standard errors, " \
                f"within the noise"
     return f"alpha {best:g} by {measure}, {z:.1f} standard errors ahead of the method's {method:g}"
+
+
+def _lambda_line(rule: Mapping[str, Any]) -> str:
+    """How criterion site's do-no-harm rule on lambda went (``lambda_verdict``)."""
+    method, best, z = rule["method_lambda"], rule["best"], rule["margin_se"]
+    if not rule["kept"]:
+        return f"lambda {best:g}, {z:.1f} standard errors ahead of the method's {method:g}"
+    if z <= 0:
+        return f"the method's lambda {method:g}, {-z:.1f} standard errors ahead of {best:g}"
+    return f"the method's lambda {method:g} kept: {best:g} ahead by {z:.1f} standard errors, within the noise"
 
 
 def _values(key: str) -> str:
