@@ -386,7 +386,8 @@ def test_criterion_site_runs_on_an_openclip_pool(tiny_pool, tmp_path):
     import json
 
     algo = FeatCalAlgorithm(upstream=TA, num_calibration_examples=8, batch_size=4, auto_select={
-        "criterion": "site", "search": "grid", "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+        "criterion": "site", "search": "grid", "few_examples": "site",  # 8 per task: the criterion itself
+        "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
     algo._fabric_instance = L.Fabric(accelerator="cpu", devices=1,
                                      loggers=[L.fabric.loggers.CSVLogger(str(tmp_path))])
     algo.run(load(tiny_pool["modelpool"]))

@@ -138,6 +138,8 @@ def test_the_heldout_layernorm_objective_equals_the_mean_squared_error_to_the_ex
         ({"site_parts": "auto"}, "site_parts is given \\('auto'\\) but neither criterion nor alpha_criterion is 'site'"),
         ({"criterion": "site", "keep_method_lambda": "yes"}, "keep_method_lambda must be true or false"),
         ({"keep_method_lambda": True}, "keep_method_lambda is a rule of criterion 'site' .* criterion is 'objective'"),
+        ({"criterion": "site", "few_examples": "warn"}, r"few_examples must be one of \['objective', 'site'\]"),
+        ({"few_examples": "site"}, "few_examples 'site' is a rule of criterion 'site' .* criterion is 'objective'"),
         ("yes", "expected true, false or a mapping"),
     ],
 )
@@ -158,6 +160,9 @@ def test_bad_auto_select_options_fail_at_construction(value, message):
      r"criterion 'site' holds out each of 4 parts .*: 3 example\(s\) leave a part of 0"),
     ({"criterion": "site", "search": "grid", "heldout_fraction": 0.01}, 16,
      r"cannot be split into a fit and a held-out part .*0.01"),  # its one held-out part
+    ({"criterion": "site", "search": "grid", "heldout_fraction": 0.5}, 2,
+     r"criterion site with 2 examples per task may fall back to criterion objective .*2 calibration example\(s\) in 4 "
+     r"folds leave a fold of 0.*set auto_select.few_examples=site"),  # its split holds, the fallback's folds do not
 ])
 def test_too_few_examples_to_split_fail_before_the_upstream_runs(auto_select, n, message, toy_world, tmp_path):
     spy = SpyUpstream()
@@ -488,14 +493,14 @@ def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation(c
     expected = sum(sum(v) / len(v) for v in probability.values()) / len(probability)
     assert stage["scores"]["1"] == pytest.approx(expected, rel=1e-4)
 
-    options = SelectionOptions.parse({**common, "criterion": "site",
+    options = SelectionOptions.parse({**common, "criterion": "site", "few_examples": "site",
                                       "grid": {"lambda_": [1e-3], "rho": [2.0], "alpha": [0.6, 1.0]}})
     few = replace(hp, num_calibration_examples=12)  # the tiny world's: below where this measure was measured to hold
     with caplog.at_level("WARNING", logger="featcal_fusionbench.autoselect.search"):
         auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, few, copy.deepcopy(merged), base,
                               experts, datasets, _batches_of, torch.device("cpu"), site=site)["auto_select"]
     assert ("criterion site with 12 calibration examples per task: below 256 it was not measured to beat criterion "
-            "objective" in caplog.text and "featcal/auto_flan_t5_ta" in caplog.text)
+            "objective" in caplog.text and "featcal/auto_flan_t5_ta" in caplog.text and "it runs anyway" in caplog.text)
     assert {k.split(",")[2]: c["score"] for k, c in auto["candidates"].items()} == pytest.approx(
         {f"alpha={a}": v for a, v in stage["scores"].items()}, rel=1e-6)
     assert auto["alpha"]["measure"] == stage["measure"] and stage["measure"] in describe_choice(auto)
@@ -630,7 +635,7 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
     hp = FeatCalHParams()
     assert options.grid_for({}, hp) == {"lambda_": SITE_LAMBDAS, "rho": (hp.rho,), "alpha": (0.3, 0.45, 0.6)}
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "site_parts": site_parts,
-                                      "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+                                      "few_examples": "site", "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
 
     def make_engine(hparams, family, search=False, **kwargs):
         return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
@@ -696,6 +701,50 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
         assert torch.equal(p, q)
 
 
+def test_criterion_site_below_the_examples_it_was_measured_at_runs_criterion_objective_instead(caplog):
+    """With fewer calibration examples per task than the site's measure was measured to beat criterion objective
+    at (the image site's 32), criterion site (few_examples: objective, the default) runs criterion objective with its
+    defaults on the same seed: the same per-block choice and, bit for bit, the same model as that run, with the
+    report's fallback entry, a warning and the log line saying so. At 32 criterion site itself runs."""
+    from dataclasses import replace
+
+    from featcal_fusionbench.autoselect.options import SITE_FEWEST_MEASURED
+    from featcal_fusionbench.autoselect.search import AlphaSite
+
+    world = tiny_world(batches=4)
+    base, experts, merged, _ = world
+    datasets = _datasets(world)
+    site_options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "keep_method_lambda": True,
+                                           "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+    hp = FeatCalHParams(num_calibration_examples=SITE_FEWEST_MEASURED - 1)
+
+    def make_engine(hparams, family, search=False, **kwargs):
+        return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
+
+    def run(options, hparams):
+        model = copy.deepcopy(merged)
+        auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hparams, model, base, experts,
+                              datasets, _batches_of, torch.device("cpu"), site=AlphaSite(_ProjectedSite()))
+        return model, auto["auto_select"]
+
+    with caplog.at_level("WARNING", logger="featcal_fusionbench.autoselect.search"):
+        model, auto = run(site_options, hp)
+    assert "below 32 it was measured less accurate than criterion objective" in caplog.text
+    assert "criterion objective chooses instead" in caplog.text
+    plain_model, plain = run(SelectionOptions.parse({"criterion": "objective", "seed": 0}), hp)
+    assert auto["criterion"] == "objective" and auto["fallback"] == {
+        "from": "site", "to": "objective", "num_calibration_examples": 31, "fewest_measured": 32,
+        "measure": "the held-out feature site's cosine"}
+    assert auto["choice"] == plain["choice"] and auto["grid"] == plain["grid"] and "lambda" not in auto
+    assert auto["grid"]["lambda_"] != [1e-3, 1.0], "the site's grid is not carried over"
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(p, q)
+    line = describe_choice(auto)
+    assert line == f"criterion objective in place of site (fewer than 32 examples per task): {describe_choice(plain)}"
+    _, at_32 = run(site_options, replace(hp, num_calibration_examples=SITE_FEWEST_MEASURED))
+    assert at_32["criterion"] == "site" and "fallback" not in at_32 and "lambda" in at_32
+
+
 @pytest.mark.parametrize("noise_z", [1e9, 0.0])
 def test_keep_method_lambda_takes_the_methods_lambda_unless_the_best_point_beats_it_beyond_the_noise(noise_z):
     """criterion site with keep_method_lambda: after the grid, the method's lambda at the best point's alpha and rho
@@ -708,7 +757,8 @@ def test_keep_method_lambda_takes_the_methods_lambda_unless_the_best_point_beats
     base, experts, merged, _ = world
     hp = FeatCalHParams(num_calibration_examples=16)  # lambda 0.05, off the grid
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "keep_method_lambda": True,
-                                      "noise_z": noise_z, "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+                                      "noise_z": noise_z, "few_examples": "site",
+                                      "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
 
     def make_engine(hparams, family, search=False, **kwargs):
         return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
@@ -783,7 +833,7 @@ def test_a_criterion_site_point_whose_calibration_is_not_finite_scores_nan_and_c
     base, experts, merged, _ = world
     datasets = _datasets(world)
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "site_parts": "auto",
-                                      "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
+                                      "few_examples": "site", "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
     runs = []
 
     class Failing(FeatCalEngine):
@@ -809,7 +859,7 @@ def test_a_criterion_site_point_whose_calibration_is_not_finite_scores_nan_and_c
 
 
 def test_criterion_site_runs_in_the_method_on_a_clip_pool(toy_world, tmp_path):
-    make(tmp_path, auto_select={"criterion": "site", "search": "grid",
+    make(tmp_path, auto_select={"criterion": "site", "search": "grid", "few_examples": "site",
                                 "grid": {"lambda_": [1e-3], "alpha": [0.3, 0.6]}}).run(load_pool(toy_world))
     auto = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
     assert auto["criterion_used"] == "site" and {key.rsplit(",", 1)[0] for key in auto["candidates"]} == {
@@ -1005,7 +1055,8 @@ def test_the_selection_never_reads_a_label_and_reports_its_choice(toy_world, tmp
     load = pool.load_train_dataset
     pool.load_train_dataset = lambda task: Unlabeled(load(task))
     grid = {"lambda_": [0.01, 1.0], "rho": [2.0], "alpha": [0.3]}
-    make(tmp_path, auto_select={"criterion": criterion, "grid": grid}).run(pool)
+    few = {"few_examples": "site"} if criterion == "site" else {}  # 16 per task: criterion site itself, not objective
+    make(tmp_path, auto_select={"criterion": criterion, "grid": grid, **few}).run(pool)
     report = json.loads(next(tmp_path.rglob(REPORT_NAME)).read_text())["auto_select"]
     sizes = report["folds_per_task"] if criterion == "objective" else report["split"]
     assert report["criterion"] == criterion and sizes["toy_0"] == ([2] * 8 if criterion == "objective"
@@ -1050,6 +1101,7 @@ def test_the_auto_config_composes_and_a_lambda_multirun_still_sweeps():
     # the site one: the paper's CLIP values, one (lambda, alpha) by the feature site over every point of its grid
     site_options = SelectionOptions.parse(OmegaConf.to_container(site.auto_select))
     assert site_options.criterion == "site" and site_options.search == "grid" and not site_options.grid
+    assert site_options.few_examples == "objective" and site_options.fallback() == replace(options, seed=None)
     assert {k: v for k, v in site.items() if k != "auto_select"} == {k: v for k, v in auto.items() if k != "auto_select"}
     # the T5 site one: the paper's FLAN-T5 values, one (lambda, alpha) over the site's lambdas and the paper's alpha and
     # those above it, every part held out in turn, the paper's lambda kept unless beaten beyond the noise

@@ -81,6 +81,10 @@ SITE_LAMBDAS: Tuple[float, ...] = (1e-6, 1e-4)
 #: at 32 and 256 only, and at 32 it lay farther from the test-label oracle than objective on average (0.91 / 0.67)
 SITE_FEWEST_MEASURED = 32
 GENERATION_FEWEST_MEASURED = 256
+#: ``few_examples``: what criterion site runs below those numbers. ``objective`` by default: at 8 examples per task
+#: the image site fell below criterion objective on six builds of eight, and on the eighth (an AMD build made after
+#: the rule) 3.9 below the oracle on average and 0.36 below the paper's values with one seed (docs/featcal.md)
+FEW_EXAMPLES_RULES = ("objective", "site")
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,11 @@ class SelectionOptions:
     null the criterion's default (``site_folds``); ``keep_method_lambda`` (criterion ``site``): the method's lambda,
     at the best point's alpha and rho, is scored and taken unless the best point beats it by more than ``noise_z``
     standard errors, paired per held-out example (do no harm on lambda; alpha is the best point's: a noise rule on
-    alpha was measured and set aside, docs/featcal.md). ``seed``: the folds' or the split's (null: the method's
-    ``seed``).
+    alpha was measured and set aside, docs/featcal.md); ``few_examples`` (criterion ``site``): below the fewest
+    examples per task at which the family's site measure was measured to beat criterion ``objective``
+    (``SITE_FEWEST_MEASURED``, ``GENERATION_FEWEST_MEASURED``), ``objective`` runs criterion objective with its
+    defaults instead (``fallback``), ``site`` runs criterion site anyway. ``seed``: the folds' or the split's (null:
+    the method's ``seed``).
     """
 
     criterion: str = "objective"
@@ -116,6 +123,7 @@ class SelectionOptions:
     heldout_fraction: float = 0.25
     site_parts: Union[int, str, None] = None
     keep_method_lambda: bool = False
+    few_examples: str = "objective"
     search: str = "coordinate"
     seed: Optional[int] = None
     grid: Mapping[str, Tuple[float, ...]] = field(default_factory=dict)
@@ -148,6 +156,11 @@ class SelectionOptions:
         elif self.keep_method_lambda and self.criterion != "site":
             problems.append(f"keep_method_lambda is a rule of criterion 'site' (criterion 'objective' keeps the "
                             f"method's values within noise_z itself), but criterion is {self.criterion!r}")
+        if self.few_examples not in FEW_EXAMPLES_RULES:
+            problems.append(f"few_examples must be one of {list(FEW_EXAMPLES_RULES)}, got {self.few_examples!r}")
+        elif self.few_examples == "site" and self.criterion != "site":
+            problems.append(f"few_examples 'site' is a rule of criterion 'site' (run it below the examples per task "
+                            f"where it was measured), but criterion is {self.criterion!r}")
         if self.alpha_criterion not in ALPHA_CRITERIA:
             problems.append(f"alpha_criterion must be one of {list(ALPHA_CRITERIA)}, got {self.alpha_criterion!r}")
         elif self.alpha_criterion != "none" and self.criterion != "objective":
@@ -189,6 +202,13 @@ class SelectionOptions:
             options["grid"] = {k: v if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") else list(v)
                                for k, v in options["grid"].items()}
         return cls(**options)
+
+    def fallback(self) -> "SelectionOptions":
+        """What criterion site runs below the examples per task where it was measured to beat criterion objective
+        (``few_examples: objective``): criterion objective with its defaults, as ``featcal/auto_clip_ta`` and
+        ``featcal/auto_flan_t5_ta`` run it, on the same seed. The site's grid is not carried over: scored against the
+        expert's own features, objective would take the largest alpha of it (docs/featcal.md)."""
+        return SelectionOptions(criterion="objective", seed=self.seed)
 
     def folds_for(self, num_examples: int) -> int:
         """The number of parts for ``num_examples`` calibration examples per task (``folds``, or ``auto``'s)."""
@@ -335,12 +355,6 @@ def best_of(scores: Mapping[str, float], higher_is_better: bool) -> str:
         raise ValueError("every candidate scored NaN; no choice is possible")
     sign = -1.0 if higher_is_better else 1.0
     return min(finite, key=lambda k: (sign * finite[k], list(scores).index(k)))
-
-
-# ---- the held-out split ------------------------------------------------------------------------------------------
-
-
-# ---- criterion (c): the per-block objective on held-out moments -------------------------------------------------
 
 
 # ---- criteria (a) and (b) on held-out outputs ---------------------------------------------------------------------

@@ -145,7 +145,7 @@ class AlphaSite:
     criterion = "site"
     measure = "the held-out feature site's cosine"
     fewest_measured, below_it = SITE_FEWEST_MEASURED, ("measured less accurate than criterion objective "
-                                                       "(featcal/auto_clip_ta) on five builds of seven")
+                                                       "(featcal/auto_clip_ta) on six builds of eight")
 
     def __init__(self, site):
         self.site = site
@@ -615,12 +615,17 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     device, which calibrates on its share of each fold (criterion ``objective``; the others run on one device);
     ``site``: ``alpha_site``'s, which criterion or ``alpha_criterion`` ``site`` needs."""
     family = family_with({})
+    if options.reads_site and site is None:
+        raise ValueError("auto_select criterion or alpha_criterion 'site' needs the family's feature site (alpha_site)")
+    fallback = None
+    if options.criterion == "site" and hp.num_calibration_examples < site.fewest_measured:
+        fallback = few_examples_fallback(options, hp.num_calibration_examples, site)
+        if fallback is not None:
+            options = options.fallback()
     seed = hp.seed if options.seed is None else options.seed
     grid = options.grid_for(family.option_values, hp)
     folds = options.folds_for(hp.num_calibration_examples)
     alpha_stage = site_parts = None
-    if options.reads_site and site is None:
-        raise ValueError("auto_select criterion or alpha_criterion 'site' needs the family's feature site (alpha_site)")
     if options.criterion == "objective":
         if options.alpha_criterion != "none":
             alpha_stage = choose_alpha(make_engine, family, options, hp, grid, merged, base, experts, datasets,
@@ -636,10 +641,6 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
             search["calibrations"] += alpha_stage["calibrations"]
     else:
         if options.criterion == "site":
-            if hp.num_calibration_examples < site.fewest_measured:
-                log.warning("FeatCal auto_select criterion site with %d calibration examples per task: below %d it "
-                            "was %s (docs/featcal.md)", hp.num_calibration_examples, site.fewest_measured,
-                            site.below_it)
             parts, sizes, site_parts = site_splits(datasets, options, seed)
         else:
             fit, held, sizes = split_datasets(datasets, options, seed)
@@ -661,6 +662,7 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     objective = options.criterion == "objective"
     report["auto_select"] = {
         "criterion": options.criterion,
+        **({"fallback": fallback} if fallback is not None else {}),
         "search": f"per_block ({options.search})" if objective else options.search,
         **({"folds": folds, "noise_z": options.noise_z, "widen": options.widen,
             "least_shrinkage": options.least_shrinkage, "alpha_criterion": options.alpha_criterion} if objective
@@ -680,9 +682,28 @@ def auto_calibrate(make_engine: EngineFactory, family_with, options: SelectionOp
     return report
 
 
+def few_examples_fallback(options: SelectionOptions, num_examples: int, site) -> Optional[Dict[str, Any]]:
+    """Below the examples per task where the site's measure was measured to beat criterion objective: with
+    ``few_examples: objective`` the report's ``fallback`` entry (criterion objective then chooses, ``fallback()``), with
+    ``site`` None (criterion site runs anyway). The log says which."""
+    below = (f"FeatCal auto_select criterion site with {num_examples} calibration examples per task: below "
+             f"{site.fewest_measured} it was {site.below_it} (docs/featcal.md)")
+    if options.few_examples == "site":
+        log.warning("%s; it runs anyway (auto_select.few_examples=site)", below)
+        return None
+    log.warning("%s; criterion objective chooses instead, with its defaults (auto_select.few_examples=site runs "
+                "criterion site anyway)", below)
+    return {"from": "site", "to": "objective", "num_calibration_examples": num_examples,
+            "fewest_measured": site.fewest_measured, "measure": site.measure}
+
+
 def describe_choice(auto: Mapping[str, Any]) -> str:
     """One line: the values chosen (per span of blocks), how clear each block's choice was, and where a choice sat
     at a grid's edge or kept the method's values."""
+    if "fallback" in auto:
+        rest = {k: v for k, v in auto.items() if k != "fallback"}
+        return (f"criterion objective in place of site (fewer than {auto['fallback']['fewest_measured']} examples per "
+                f"task): {describe_choice(rest)}")
     if "global" in auto["choice"]:
         line = "chose " + ", ".join(f"{k.rstrip('_')} {v:g}" for k, v in auto["choice"]["global"].items())
         scores = {k: c["score"] for k, c in auto.get("candidates", {}).items() if math.isfinite(c["score"])}

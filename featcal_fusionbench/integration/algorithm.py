@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 from fusion_bench import BaseAlgorithm, BaseModelPool, auto_register_config
 from fusion_bench.mixins import LightningFabricMixin, SimpleProfilerMixin
 
-from ..autoselect.options import SelectionOptions
+from ..autoselect.options import GENERATION_FEWEST_MEASURED, SITE_FEWEST_MEASURED, SelectionOptions
 from ..autoselect.search import alpha_site, auto_calibrate
 from ..core.hparams import DEFAULTS, FeatCalHParams
 from ..core.sampling import check_split_sizes, heldout_split
@@ -191,6 +191,14 @@ class FeatCalAlgorithm(PostMergingMixin, LightningFabricMixin, SimpleProfilerMix
                     options.check_site_sizes(hp.num_calibration_examples, world_size, tasks)
             elif options.criterion == "site":
                 options.check_site_sizes(hp.num_calibration_examples, world_size, tasks)
+                if options.few_examples == "objective" and hp.num_calibration_examples < max(
+                        SITE_FEWEST_MEASURED, GENERATION_FEWEST_MEASURED):  # the family's threshold is known later
+                    try:
+                        options.fallback().check_fold_sizes(hp.num_calibration_examples, world_size, tasks)
+                    except ValueError as error:
+                        raise ValueError(f"auto_select criterion site with {hp.num_calibration_examples} examples "
+                                         f"per task may fall back to criterion objective (few_examples: objective), "
+                                         f"whose folds fail: {error}; or set auto_select.few_examples=site") from None
             else:
                 check_split_sizes(hp.num_calibration_examples // world_size, 1, options.heldout_fraction, tasks)
         return output
