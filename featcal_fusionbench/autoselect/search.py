@@ -145,7 +145,7 @@ class AlphaSite:
     criterion = "site"
     measure = "the held-out feature site's cosine"
     fewest_measured, below_it = SITE_FEWEST_MEASURED, ("measured less accurate than criterion objective "
-                                                       "(featcal/auto_clip_ta) on six builds of eight")
+                                                       "(featcal/auto_clip_ta) on seven builds of nine")
 
     def __init__(self, site):
         self.site = site
