@@ -22,6 +22,7 @@ from featcal_fusionbench.core.objective import HeldoutObjective
 from featcal_fusionbench.autoselect.options import PATCH_WEIGHT, SelectionOptions, candidate_key, with_candidate
 from featcal_fusionbench.core.sampling import fold_of, heldout_split
 
+from golden_cases import make_engine
 from helpers import tiny_causal_lm_world, tiny_t5_world, tiny_world
 from test_algorithm import SpyUpstream, load_pool, make
 
@@ -190,8 +191,6 @@ def _search(world, criterion, seed=0, hparams=FeatCalHParams(), **extra):
     datasets, batches_of = _datasets(world), _batches_of
     options = SelectionOptions.parse({"criterion": criterion, "seed": seed, "grid": SMALL_GRID, **extra})
 
-    def make_engine(hp, family, search=False, **kwargs):
-        return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
 
     model = copy.deepcopy(merged)
     report = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hparams, model, base,
@@ -397,8 +396,6 @@ def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_r
     options = SelectionOptions.parse({"criterion": "objective", "seed": 0, "grid": grid, "noise_z": 0.0,
                                       "widen": False, "alpha_criterion": "site"})
 
-    def make_engine(hp, family, search=False, **kwargs):
-        return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
 
     with pytest.raises(ValueError, match="alpha_criterion 'site' needs the family's feature site"):
         auto_calibrate(make_engine, lambda o: family_for(base, o), options, FeatCalHParams(), copy.deepcopy(merged),
@@ -466,8 +463,6 @@ def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation(c
     hp = FeatCalHParams(alpha=0.6)
     common = {"seed": 0, "noise_z": 0.0, "heldout_fraction": 0.5, "site_parts": "all"}
 
-    def make_engine(hp, family, search=False, **kwargs):
-        return FeatCalEngine(family, hp, "cpu", progress=False, **kwargs)
 
     options = SelectionOptions.parse({**common, "alpha_criterion": "site", "grid": {"alpha": [0.3, 0.6, 1.0]}})
     stage = choose_alpha(make_engine, family, options, hp, {"lambda_": (1e-3,), "rho": (2.0,), "alpha": (0.3, 0.6, 1.0)},
@@ -637,8 +632,6 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "site_parts": site_parts,
                                       "few_examples": "site", "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
 
-    def make_engine(hparams, family, search=False, **kwargs):
-        return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
 
     with pytest.raises(ValueError, match="criterion 'site' needs the family's feature site"):
         auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base, experts,
@@ -718,8 +711,6 @@ def test_criterion_site_below_the_examples_it_was_measured_at_runs_criterion_obj
                                            "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
     hp = FeatCalHParams(num_calibration_examples=SITE_FEWEST_MEASURED - 1)
 
-    def make_engine(hparams, family, search=False, **kwargs):
-        return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
 
     def run(options, hparams):
         model = copy.deepcopy(merged)
@@ -760,8 +751,6 @@ def test_keep_method_lambda_takes_the_methods_lambda_unless_the_best_point_beats
                                       "noise_z": noise_z, "few_examples": "site",
                                       "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
 
-    def make_engine(hparams, family, search=False, **kwargs):
-        return FeatCalEngine(family, hparams, "cpu", progress=False, **kwargs)
 
     model = copy.deepcopy(merged)
     auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, model, base, experts,
@@ -843,11 +832,11 @@ def test_a_criterion_site_point_whose_calibration_is_not_finite_scores_nan_and_c
                 raise NonFiniteError("a stand-in for a non-finite statistic")
             return super().run(model, *args, **kwargs)
 
-    def make_engine(hparams, family, search=False, **kwargs):
+    def failing_engine(hparams, family, search=False, **kwargs):
         return Failing(family, hparams, "cpu", progress=False, **kwargs)
 
     hp = FeatCalHParams(num_calibration_examples=16)
-    auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base,
+    auto = auto_calibrate(failing_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base,
                           experts, datasets, _batches_of, torch.device("cpu"), site=AlphaSite(_ProjectedSite()))[
         "auto_select"]
     failed = candidate_key({"lambda_": 1.0, "rho": hp.rho, "alpha": 0.6, PATCH_WEIGHT: 1.0})
