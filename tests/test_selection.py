@@ -191,7 +191,6 @@ def _search(world, criterion, seed=0, hparams=FeatCalHParams(), **extra):
     datasets, batches_of = _datasets(world), _batches_of
     options = SelectionOptions.parse({"criterion": criterion, "seed": seed, "grid": SMALL_GRID, **extra})
 
-
     model = copy.deepcopy(merged)
     report = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hparams, model, base,
                             experts, datasets, batches_of, torch.device("cpu"))
@@ -396,7 +395,6 @@ def test_the_alpha_stage_by_the_feature_site_scores_each_alpha_by_the_held_out_r
     options = SelectionOptions.parse({"criterion": "objective", "seed": 0, "grid": grid, "noise_z": 0.0,
                                       "widen": False, "alpha_criterion": "site"})
 
-
     with pytest.raises(ValueError, match="alpha_criterion 'site' needs the family's feature site"):
         auto_calibrate(make_engine, lambda o: family_for(base, o), options, FeatCalHParams(), copy.deepcopy(merged),
                        base, experts, datasets, _batches_of, torch.device("cpu"))
@@ -462,7 +460,6 @@ def test_site_on_t5_scores_the_experts_probability_of_each_held_out_generation(c
     assert isinstance(site, ExpertProbability)
     hp = FeatCalHParams(alpha=0.6)
     common = {"seed": 0, "noise_z": 0.0, "heldout_fraction": 0.5, "site_parts": "all"}
-
 
     options = SelectionOptions.parse({**common, "alpha_criterion": "site", "grid": {"alpha": [0.3, 0.6, 1.0]}})
     stage = choose_alpha(make_engine, family, options, hp, {"lambda_": (1e-3,), "rho": (2.0,), "alpha": (0.3, 0.6, 1.0)},
@@ -632,7 +629,6 @@ def test_criterion_site_scores_every_lambda_alpha_point_at_the_feature_site_and_
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "site_parts": site_parts,
                                       "few_examples": "site", "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
 
-
     with pytest.raises(ValueError, match="criterion 'site' needs the family's feature site"):
         auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, copy.deepcopy(merged), base, experts,
                        datasets, _batches_of, torch.device("cpu"))
@@ -711,7 +707,6 @@ def test_criterion_site_below_the_examples_it_was_measured_at_runs_criterion_obj
                                            "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
     hp = FeatCalHParams(num_calibration_examples=SITE_FEWEST_MEASURED - 1)
 
-
     def run(options, hparams):
         model = copy.deepcopy(merged)
         auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hparams, model, base, experts,
@@ -750,7 +745,6 @@ def test_keep_method_lambda_takes_the_methods_lambda_unless_the_best_point_beats
     options = SelectionOptions.parse({"criterion": "site", "search": "grid", "seed": 0, "keep_method_lambda": True,
                                       "noise_z": noise_z, "few_examples": "site",
                                       "grid": {"lambda_": [1e-3, 1.0], "alpha": [0.3, 0.6]}})
-
 
     model = copy.deepcopy(merged)
     auto = auto_calibrate(make_engine, lambda o: family_for(base, o), options, hp, model, base, experts,
